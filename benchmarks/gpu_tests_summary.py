@@ -1,0 +1,52 @@
+"""Turn a pytest JUnit XML report into benchmarks/results/<gpu>/gpu_tests.json.
+
+    python benchmarks/gpu_tests_summary.py REPORT.xml OUT.json
+
+Writes {"commit", "gpu", "torch", "passed", "failed", "errors", "skipped", "failures": [test ids]}.
+The commit comes from $GN_PATCH_COMMIT (the device machine's copy of the tree has no .git), else git.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import torch
+
+
+def commit() -> str:
+    if os.environ.get("GN_PATCH_COMMIT"):
+        return os.environ["GN_PATCH_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def summarize(report: str) -> dict:
+    counts = dict(passed=0, failed=0, errors=0, skipped=0)
+    failures = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None:
+            counts["failed"] += 1
+            failures.append(name)
+        elif case.find("error") is not None:
+            counts["errors"] += 1
+            failures.append(name)
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return dict(commit=commit(), gpu=gpu, torch=torch.__version__, **counts, failures=failures)
+
+
+if __name__ == "__main__":
+    result = summarize(sys.argv[1])
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "failures"}))
+    for name in result["failures"]:
+        print("FAILED", name)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything that needs the H200, for one device call: `bash benchmarks/h200.sh STEP...` with steps
+#   build      compile the extension (into .build/, kept while the machine stays warm)
+#   tests      GPU test suite -> $OUT/gpu_tests.json (+ JUnit XML and log)
+#   sanitizer  the small-shape GPU tests under compute-sanitizer memcheck -> $OUT/sanitizer.log
+#   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick)
+#   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 -> $OUT/txt2img.json
+#   training   examples/compare_training.py, SD1.5 at 512², batch 8, bf16, 50 steps -> $OUT/training.json
+# Carry .whl (diffusers wheel; ../shared/device.md). Set GN_PATCH_COMMIT to the commit under test.
+set -uo pipefail
+OUT=${OUT:-$PWD/.scratch/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 PYTHONUNBUFFERED=1
+export GN_PATCH_BUILD_DIR=$PWD/.build
+status=0
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    build) python3 -m gn_patch.build 2>&1 | tail -5 || status=1 ;;
+    tests)
+      python3 -m pytest tests -m gpu -q -x --maxfail=20 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
+        > "$OUT/gpu_tests.log" 2>&1
+      tail -15 "$OUT/gpu_tests.log"
+      python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" || status=1 ;;
+    sanitizer)
+      compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest tests/test_ops_cuda.py -q -p no:cacheprovider \
+        -k "(test_forward_shapes or test_backward_shapes or test_unaligned_pointer) and not wide and not many_channels" \
+        > "$OUT/sanitizer.log" 2>&1
+      tail -6 "$OUT/sanitizer.log" ;;
+    bench) python3 -m gn_patch.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tail -40 ;;
+    txt2img)
+      python3 examples/txt2img.py --arch sd15 --height 512 --width 512 --dtype float16 --check-fp32 \
+        --json "$OUT/txt2img.json" --output-dir "$OUT/images" 2>&1 | tail -30
+      python3 examples/txt2img.py --arch sdxl --height 1024 --width 1024 --dtype float16 --check-fp32 \
+        --json "$OUT/txt2img.json" --output-dir "$OUT/images" 2>&1 | tail -30 ;;
+    training) python3 examples/compare_training.py --out "$OUT/training.json" ${TRAIN_ARGS:-} 2>&1 | tail -30 ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+  echo "== $step: $(( $(date +%s) - start )) s"
+done
+exit $status

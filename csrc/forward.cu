@@ -1,0 +1,244 @@
+// Forward: y = act((x - mean[n,g]) * rstd[n,g] * weight[c] + bias[c]) on channels-last (N, S, C) data.
+//
+// Fused geometry (small images or many of them): one kernel, grid (N * tiles): each block gathers the
+// statistics of whole groups, then normalises the same rows (a second read that hits L2).
+// Split geometry (few images, many rows: e.g. a batch-1 VAE decode has N*G = 32 groups for 132 SMs):
+//   1. stats_partial  grid (N * splits * tiles): per-channel (mean, m2) of one row range -> partials
+//   2. stats_finalize one warp per (n, g): Chan-combines splits x D partials -> mean, rstd
+//   3. normalize      grid as 1, walked in reverse so it starts on the rows still in L2.
+#include <c10/cuda/CUDAException.h>
+
+#include "reduce.cuh"
+
+namespace gn_patch {
+namespace {
+
+// Per-thread statistics of its V channels over the rows it visits, as Welford triples.
+// Sums are shifted by the first value each lane sees, so that large offsets (x = 1000 + 0.001 * noise)
+// do not cancel catastrophically in float32.
+template <typename T, int V>
+__device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, const BlockCoord& b, Welford (&w)[V]) {
+  float shift[V], s1[V], s2[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) shift[j] = s1[j] = s2[j] = 0.f;
+  const int64_t step = g.block_rows;
+  int64_t r = b.row_begin + b.rowlane;
+  const T* base = x + b.n * g.S * g.C + b.c0;
+  if (b.active && r < b.row_end) {
+    load_vec<T, V>(base + r * g.C, shift);
+    for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
+      float v[kUnroll][V];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) load_vec<T, V>(base + (r + u * step) * g.C, v[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float d = v[u][j] - shift[j];
+          s1[j] += d;
+          s2[j] = fmaf(d, d, s2[j]);
+        }
+      }
+    }
+    for (; r < b.row_end; r += step) {
+      float v[V];
+      load_vec<T, V>(base + r * g.C, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float d = v[j] - shift[j];
+        s1[j] += d;
+        s2[j] = fmaf(d, d, s2[j]);
+      }
+    }
+  }
+  const float count = b.active ? rows_of_lane(b.row_begin, b.row_end, b.rowlane, g.block_rows) : 0.f;
+  const float inv = count > 0.f ? 1.f / count : 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    w[j].mean = shift[j] + s1[j] * inv;
+    w[j].m2 = fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.f);
+    w[j].count = count;
+  }
+}
+
+// y = act(x * scale + shift) over this thread's rows; scale/shift fold weight, bias, mean and rstd.
+template <typename T, int V, Act A>
+__device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry& g, const BlockCoord& b,
+                                               const float (&scale)[V], const float (&shift)[V]) {
+  if (!b.active) return;
+  const int64_t step = g.block_rows;
+  const int64_t offset = b.n * g.S * g.C + b.c0;
+  int64_t r = b.row_begin + b.rowlane;
+  for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
+    float v[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load_vec<T, V>(x + offset + (r + u * step) * g.C, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[u][j] = Activation<A>::f(fmaf(v[u][j], scale[j], shift[j]));
+      store_vec<T, V>(y + offset + (r + u * step) * g.C, v[u]);
+    }
+  }
+  for (; r < b.row_end; r += step) {
+    float v[V];
+    load_vec<T, V>(x + offset + r * g.C, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j], scale[j], shift[j]));
+    store_vec<T, V>(y + offset + r * g.C, v);
+  }
+}
+
+// Per-lane scale = rstd * weight and shift = bias - mean * scale; mean/rstd indexed by group - group_base.
+template <typename T, int V>
+__device__ __forceinline__ void fold_affine(const ForwardArgs& a, const BlockCoord& b, const float* mean,
+                                            const float* rstd, int64_t group_base, float (&scale)[V],
+                                            float (&shift)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) scale[j] = shift[j] = 0.f;
+  if (!b.active) return;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t c = b.c0 + j;
+    const int64_t gi = c / a.geo.D - group_base;
+    scale[j] = rstd[gi] * load_param<T>(a.weight, a.params_fp32, c, 1.f);
+    shift[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f) - mean[gi] * scale[j];
+  }
+}
+
+template <typename T, int V>
+__global__ void stats_partial_kernel(const ForwardArgs a) {
+  __shared__ Welford smem[kMaxThreads * V];
+  const Geometry& g = a.geo;
+  const BlockCoord b = block_coord(g, /*reverse=*/false);
+  Welford w[V];
+  thread_stats<T, V>(static_cast<const T*>(a.x), g, b, w);
+  reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
+  if (b.rowlane == 0 && b.active) {
+    float2* out = reinterpret_cast<float2*>(a.partials) + (b.n * g.splits + b.split) * g.C + b.c0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out[j] = make_float2(w[j].mean, w[j].m2);
+  }
+}
+
+// One warp per (n, g): Chan-combines the per-channel partials of every split.
+__global__ void stats_finalize_kernel(const ForwardArgs a) {
+  const Geometry& g = a.geo;
+  const int lane = threadIdx.x % 32;
+  const int64_t ng = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (ng >= g.N * g.G) return;  // whole warps exit together: no barrier below
+  const int64_t n = ng / g.G, grp = ng % g.G;
+  const float2* part = reinterpret_cast<const float2*>(a.partials);
+  Welford acc;
+  for (int64_t i = lane; i < g.splits * g.D; i += 32) {
+    const int64_t s = i / g.D;
+    const float2 p = part[(n * g.splits + s) * g.C + grp * g.D + i % g.D];
+    Welford w;
+    w.mean = p.x;
+    w.m2 = p.y;
+    w.count = (float)min(g.rows_per_split, g.S - s * g.rows_per_split);
+    acc = welford_combine(acc, w);
+  }
+  acc = warp_welford(acc);
+  if (lane == 0) {
+    a.mean[ng] = acc.mean;
+    a.rstd[ng] = rsqrtf(acc.m2 / acc.count + a.eps);
+  }
+}
+
+template <typename T, int V, Act A>
+__global__ void normalize_kernel(const ForwardArgs a) {
+  const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
+  float scale[V], shift[V];
+  const int64_t stats = b.n * a.geo.G;
+  fold_affine<T, V>(a, b, a.mean + stats, a.rstd + stats, 0, scale, shift);
+  normalize_rows<T, V, A>(static_cast<const T*>(a.x), static_cast<T*>(a.y), a.geo, b, scale, shift);
+}
+
+// Fused geometry: the block's tile is whole groups and it sees every row of its image.
+template <typename T, int V, Act A>
+__global__ void fused_forward_kernel(const ForwardArgs a) {
+  __shared__ Welford smem[kMaxThreads * V];
+  __shared__ float group_mean[kMaxThreads * V];
+  __shared__ float group_rstd[kMaxThreads * V];
+  const Geometry& g = a.geo;
+  const BlockCoord b = block_coord(g, /*reverse=*/false);
+  const T* x = static_cast<const T*>(a.x);
+  {
+    Welford w[V];
+    thread_stats<T, V>(x, g, b, w);
+    reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
+  }
+  // smem[i] now holds channel (tile_c0 + i); warps take the tile's groups in turn.
+  const int64_t tile_c0 = b.tile * g.tile_vecs * g.vec;
+  const int64_t tile_groups = min((int64_t)g.tile_vecs * g.vec, g.C - tile_c0) / g.D;
+  const int64_t group_base = tile_c0 / g.D;
+  const int lane = threadIdx.x % 32;
+  for (int64_t gl = threadIdx.x / 32; gl < tile_groups; gl += blockDim.x / 32) {
+    Welford acc;
+    for (int64_t i = lane; i < g.D; i += 32) acc = welford_combine(acc, smem[gl * g.D + i]);
+    acc = warp_welford(acc);
+    if (lane == 0) {
+      const float rstd = rsqrtf(acc.m2 / acc.count + a.eps);
+      group_mean[gl] = acc.mean;
+      group_rstd[gl] = rstd;
+      a.mean[b.n * g.G + group_base + gl] = acc.mean;
+      a.rstd[b.n * g.G + group_base + gl] = rstd;
+    }
+  }
+  __syncthreads();
+  float scale[V], shift[V];
+  fold_affine<T, V>(a, b, group_mean, group_rstd, group_base, scale, shift);
+  normalize_rows<T, V, A>(x, static_cast<T*>(a.y), g, b, scale, shift);
+}
+
+template <typename T, int V, Act A>
+void launch_typed(const ForwardArgs& a, cudaStream_t stream) {
+  const Geometry& g = a.geo;
+  const unsigned threads = g.threads();
+  const unsigned blocks = (unsigned)g.blocks();
+  if (g.fused) {
+    fused_forward_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  constexpr int kWarps = 8;
+  const unsigned finalize_blocks = (unsigned)((g.N * g.G + kWarps - 1) / kWarps);
+  stats_finalize_kernel<<<finalize_blocks, kWarps * 32, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int V>
+void dispatch_act(const ForwardArgs& a, cudaStream_t stream) {
+  switch (a.act) {
+    case Act::kIdentity: return launch_typed<T, V, Act::kIdentity>(a, stream);
+    case Act::kSilu: return launch_typed<T, V, Act::kSilu>(a, stream);
+    case Act::kGelu: return launch_typed<T, V, Act::kGelu>(a, stream);
+    case Act::kGeluTanh: return launch_typed<T, V, Act::kGeluTanh>(a, stream);
+    case Act::kRelu: return launch_typed<T, V, Act::kRelu>(a, stream);
+  }
+}
+
+template <typename T>
+void dispatch_vec(const ForwardArgs& a, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (a.geo.vec == kVec) return dispatch_act<T, kVec>(a, stream);
+  return dispatch_act<T, 1>(a, stream);
+}
+
+}  // namespace
+
+void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
+  if (a.geo.blocks() == 0) return;
+  switch (a.dtype) {
+    case ScalarKind::kFloat: return dispatch_vec<float>(a, stream);
+    case ScalarKind::kHalf: return dispatch_vec<__half>(a, stream);
+    case ScalarKind::kBFloat16: return dispatch_vec<__nv_bfloat16>(a, stream);
+  }
+}
+
+}  // namespace gn_patch

@@ -1,0 +1,214 @@
+"""CPU tests of the op layer: public API, PyTorch path, errors, op registration (schema, fake, autograd),
+the reference backward formula the kernels implement, and torch.compile tracing."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gn_patch
+from gn_patch import extension
+from gn_patch.ops import ACTIVATIONS
+
+from .conftest import TOLERANCES
+from .reference import assert_close, reference, reference_grads, random_input
+
+ACTS = sorted(ACTIVATIONS)
+SHAPES = {
+    "rank2": (4, 16),
+    "rank3_transposed": (2, 16, 7),
+    "rank4": (2, 16, 5, 3),
+    "rank5": (2, 16, 3, 2, 3),
+    "hw_1": (3, 12, 1, 1),
+}
+
+
+def affine(channels, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(channels, generator=gen) * 0.5 + 1).to(dtype), (torch.randn(channels, generator=gen) * 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_pytorch_path_matches_group_norm_then_activation(case, activation):
+    shape = SHAPES[case]
+    x = random_input(shape, torch.float32, "cpu")
+    w, b = affine(shape[1])
+    y = gn_patch.group_norm_act(x, 4, w, b, 1e-5, activation)
+    expected = ACTIVATIONS[activation](F.group_norm(x, 4, w, b, 1e-5))
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    assert_close(y, reference(x, 4, w, b, 1e-5, activation), **TOLERANCES[torch.float32], what=case)
+
+
+@pytest.mark.parametrize("fmt,shape", [(torch.channels_last, (2, 8, 4, 4)), (torch.channels_last_3d, (2, 8, 2, 3, 3))])
+def test_pytorch_path_keeps_memory_format(fmt, shape):
+    x = torch.randn(shape).to(memory_format=fmt)
+    y = gn_patch.group_norm_act(x, 4)
+    assert y.is_contiguous(memory_format=fmt)
+
+
+def test_activation_aliases():
+    x = torch.randn(2, 8, 3, 3)
+    torch.testing.assert_close(gn_patch.group_norm_act(x, 2, activation="swish"), F.silu(F.group_norm(x, 2)))
+    torch.testing.assert_close(gn_patch.group_norm_act(x, 2, activation=None), F.group_norm(x, 2))
+    assert gn_patch.canonical_activation("swish") == "silu"
+
+
+class TestErrors:
+    def test_channels_not_divisible(self):
+        with pytest.raises(RuntimeError, match=r"divisible by num_groups.*\[2, 6, 3, 3\].*num_groups=4"):
+            gn_patch.group_norm_act(torch.randn(2, 6, 3, 3), 4)
+
+    def test_weight_shape(self):
+        with pytest.raises(RuntimeError, match="weight to be a vector of size equal to the number of channels"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, torch.ones(6))
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+    def test_integer_input(self, dtype):
+        with pytest.raises(TypeError, match="floating-point"):
+            gn_patch.group_norm_act(torch.ones(2, 8, 3, 3, dtype=dtype), 4)
+
+    def test_unknown_activation(self):
+        with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, activation="tanh")
+
+    def test_module_channels_not_divisible(self):
+        with pytest.raises(ValueError, match="divisible"):
+            gn_patch.GroupNormAct(4, 6)
+
+
+class TestModule:
+    def test_state_dict_interchangeable_with_group_norm(self):
+        gn = torch.nn.GroupNorm(4, 16)
+        with torch.no_grad():
+            gn.weight.normal_()
+            gn.bias.normal_()
+        fused = gn_patch.GroupNormAct(4, 16, activation="gelu")
+        fused.load_state_dict(gn.state_dict(), strict=True)
+        back = torch.nn.GroupNorm(4, 16)
+        back.load_state_dict(fused.state_dict(), strict=True)
+        assert fused.state_dict().keys() == gn.state_dict().keys()
+        x = torch.randn(2, 16, 5, 5)
+        torch.testing.assert_close(fused(x), F.gelu(gn(x)), rtol=0, atol=0)
+
+    def test_from_group_norm_shares_parameters(self):
+        gn = torch.nn.GroupNorm(2, 8, eps=1e-6).eval()
+        fused = gn_patch.GroupNormAct.from_group_norm(gn, "relu")
+        assert fused.weight is gn.weight and fused.bias is gn.bias
+        assert (fused.num_groups, fused.num_channels, fused.eps, fused.training) == (2, 8, 1e-6, False)
+        assert "activation=relu" in repr(fused)
+
+    def test_no_affine(self):
+        fused = gn_patch.GroupNormAct(2, 8, affine=False)
+        x = torch.randn(3, 8, 4)
+        torch.testing.assert_close(fused(x), F.silu(F.group_norm(x, 2)))
+
+
+# ------------------------------------------------------------------------------------------------
+# The op itself (CPU reference implementation + registrations)
+# ------------------------------------------------------------------------------------------------
+OP = torch.ops.gn_patch.group_norm_act.default
+OP_BWD = torch.ops.gn_patch.group_norm_act_backward.default
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_reference_forward_and_stats(activation):
+    x = random_input((2, 12, 4, 5), torch.float64, "cpu")
+    w, b = affine(12, torch.float64)
+    y, mean, rstd = OP(x, w, b, 3, 1e-5, activation)
+    assert_close(y, reference(x, 3, w, b, 1e-5, activation), **TOLERANCES[torch.float64], what="y")
+    xg = x.reshape(2, 3, -1)
+    assert_close(mean, xg.mean(-1), **TOLERANCES[torch.float64], what="mean")
+    assert_close(rstd, torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5), **TOLERANCES[torch.float64], what="rstd")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("with_affine", [True, False])
+def test_reference_backward_formula(activation, with_affine):
+    """The closed-form backward (the one the CUDA kernels implement) equals autograd of the reference."""
+    x = random_input((2, 12, 3, 5), torch.float64, "cpu")
+    w, b = affine(12, torch.float64) if with_affine else (None, None)
+    dy = random_input((2, 12, 3, 5), torch.float64, "cpu", scale=1.0, seed=7)
+    _, mean, rstd = OP(x, w, b, 4, 1e-5, activation)
+    dx, dw, db = OP_BWD(dy, x, w, b, mean, rstd, 4, activation, [True, True, True])
+    rdx, rdw, rdb = reference_grads(x, 4, w, b, 1e-5, activation, dy)
+    assert_close(dx, rdx, atol=1e-9, rtol=1e-9, what="dx")
+    if with_affine:
+        assert_close(dw, rdw, atol=1e-9, rtol=1e-9, what="dweight")
+        assert_close(db, rdb, atol=1e-9, rtol=1e-9, what="dbias")
+    else:
+        assert dw.numel() == 0 and db.numel() == 0
+
+
+def test_gradcheck_through_op():
+    x = random_input((2, 6, 3, 2), torch.float64, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(6, torch.float64))
+    fn = lambda x, w, b: OP(x, w, b, 3, 1e-5, "gelu_tanh")[0]
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+
+
+def test_opcheck():
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    torch.library.opcheck(torch.ops.gn_patch.group_norm_act, (x, w, b, 4, 1e-5, "silu"))
+    torch.library.opcheck(torch.ops.gn_patch.group_norm_act, (x, None, None, 2, 1e-6, "identity"))
+
+
+@pytest.mark.parametrize("shape,fmt", [((2, 8, 4, 4), torch.channels_last), ((2, 8, 2, 4, 4), torch.channels_last_3d)])
+def test_fake_keeps_channels_last(shape, fmt):
+    x = torch.empty(shape, device="meta").to(memory_format=fmt)
+    y, mean, rstd = OP(x, None, None, 4, 1e-5, "silu")
+    assert y.stride() == x.stride() and y.dtype == x.dtype
+    assert mean.shape == rstd.shape == (2, 4) and mean.dtype == torch.float32
+    x16 = torch.empty((2, 16, 7), device="meta", dtype=torch.float16).transpose(1, 2).contiguous().transpose(1, 2)
+    assert OP(x16, None, None, 4, 1e-5, "silu")[0].stride() == x16.stride()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_forward_backward(dynamic):
+    def fn(x, w, b):
+        return torch.ops.gn_patch.group_norm_act(x, w, b, 4, 1e-5, "silu")[0].sum()
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for shape in [(2, 8, 4, 4), (3, 8, 6, 5)]:
+        x = random_input(shape, torch.float32, "cpu").requires_grad_(True)
+        w, b = (t.requires_grad_(True) for t in affine(8))
+        compiled(x, w, b).backward()
+        expected = [t.grad.clone() for t in (x, w, b)]
+        for t in (x, w, b):
+            t.grad = None
+        fn(x, w, b).backward()
+        for got, want in zip(expected, (x.grad, w.grad, b.grad)):
+            torch.testing.assert_close(got, want)
+
+
+def test_compile_module_fullgraph():
+    module = gn_patch.GroupNormAct(4, 8)
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), module(x))
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    def broken(*args, **kwargs):
+        raise extension.BuildError("nvcc not found (test)")
+
+    monkeypatch.setattr(extension, "build", broken)
+    monkeypatch.setattr(extension, "_loaded", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert extension.kernels_available() is False
+        assert extension.kernels_available() is False
+    messages = [str(w.message) for w in caught if "gn_patch" in str(w.message)]
+    assert len(messages) == 1 and "nvcc not found (test)" in messages[0]
+
+
+def test_missing_nvcc_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(extension.Path, "exists", lambda self: False)
+    with pytest.raises(extension.BuildError, match="nvcc not found"):
+        extension._cuda_home()

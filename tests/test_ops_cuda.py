@@ -10,12 +10,19 @@ import torch
 import torch.nn.functional as F
 
 import gn_patch
+import gn_patch.extension
 from gn_patch.ops import ACTIVATIONS
 
 from .conftest import TOLERANCES
 from .reference import assert_close, reference, reference_grads, random_input
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """Build/load the extension once; direct torch.ops calls need its CUDA kernels registered."""
+    assert gn_patch.extension.kernels_available(), "the CUDA extension failed to build or load"
 OP = torch.ops.gn_patch.group_norm_act.default
 ACTS = sorted(ACTIVATIONS)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -7,15 +7,14 @@
 //
 // Kernels (no atomics: every reduction has a fixed order, so gradients are bitwise deterministic):
 //   fused geometry: fused_backward (sums, group coefficients and dx in one block) + param_grad
-//   split geometry: grad_partial -> grad_finalize (per (n, g)) -> param_grad -> dx
+//   split geometry: grad_partial (per-channel and per-group sums of a row range) -> grad_finalize (one block
+//                   per (n, g): dx coefficients) -> param_grad (sums over n and splits) -> dx
 #include <c10/cuda/CUDAException.h>
 
 #include "reduce.cuh"
 
 namespace gn_patch {
 namespace {
-
-__device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
 // Per-lane constants: the lane's group statistics and affine parameters.
 template <typename T, int V>
@@ -122,6 +121,13 @@ __device__ __forceinline__ void dx_rows(const BackwardArgs& a, const BlockCoord&
   }
 }
 
+// w[c] * (sum du, sum du*xhat) of tile channel i, from the per-channel sums in shared memory.
+template <typename T>
+__device__ __forceinline__ float2 weighted(const BackwardArgs& a, const float2* sums, int64_t tile_c0, int64_t i) {
+  const float w = load_param<T>(a.weight, a.params_fp32, tile_c0 + i, 1.f);
+  return make_float2(w * sums[i].x, w * sums[i].y);
+}
+
 template <typename T, int V, Act A>
 __global__ void grad_partial_kernel(const BackwardArgs a) {
   __shared__ float2 smem[kMaxThreads * V];
@@ -131,37 +137,45 @@ __global__ void grad_partial_kernel(const BackwardArgs a) {
   float2 acc[V];
   thread_grad_sums<T, V, A>(a, b, p, acc);
   reduce_rowlanes<float2, V>(acc, smem, g, b.rowlane, add2);
+  const int64_t row = b.n * g.splits + b.split;
   if (b.rowlane == 0 && b.active) {
-    float2* out = reinterpret_cast<float2*>(a.partials) + (b.n * g.splits + b.split) * g.C + b.c0;
+    float2* out = reinterpret_cast<float2*>(a.channel_sums) + row * g.C + b.c0;
 #pragma unroll
     for (int j = 0; j < V; ++j) out[j] = acc[j];
   }
+  if (g.group_tiles) {
+    const int64_t c0 = tile_first_channel(g, b.tile);
+    float2* out = reinterpret_cast<float2*>(a.group_sums) + row * g.G + c0 / g.D;
+    reduce_tile_groups<float2>(
+        tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return weighted<T>(a, smem, c0, i); }, add2,
+        warp_sum2, [&](int64_t gl, float2 t) { out[gl] = t; });
+  }
 }
 
-// One warp per (n, g): per-channel sums over splits, and the group's dx coefficients.
+// One block per (n, g): sums the splits' weighted partials (per group, or per channel when tiles split
+// groups) into the group's dx coefficients.
 template <typename T>
 __global__ void grad_finalize_kernel(const BackwardArgs a) {
   const Geometry& g = a.geo;
-  const int lane = threadIdx.x % 32;
-  const int64_t ng = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (ng >= g.N * g.G) return;  // whole warps exit together: no barrier below
-  const int64_t n = ng / g.G, grp = ng % g.G;
-  const float2* part = reinterpret_cast<const float2*>(a.partials);
-  float2 coef = make_float2(0.f, 0.f);
-  for (int64_t i = lane; i < g.D; i += 32) {
-    const int64_t c = grp * g.D + i;
-    float2 s = make_float2(0.f, 0.f);
-    for (int64_t k = 0; k < g.splits; ++k) s = add2(s, part[(n * g.splits + k) * g.C + c]);
-    reinterpret_cast<float2*>(a.channel_sums)[n * g.C + c] = s;
-    const float w = load_param<T>(a.weight, a.params_fp32, c, 1.f);
-    coef.x = fmaf(w, s.x, coef.x);
-    coef.y = fmaf(w, s.y, coef.y);
+  const int64_t ng = blockIdx.x, n = ng / g.G, grp = ng % g.G;
+  const float2* group_sums = reinterpret_cast<const float2*>(a.group_sums);
+  const float2* channel_sums = reinterpret_cast<const float2*>(a.channel_sums);
+  const int64_t per_split = g.group_tiles ? 1 : g.D;
+  float2 acc = make_float2(0.f, 0.f);
+  for (int64_t i = threadIdx.x; i < g.splits * per_split; i += blockDim.x) {
+    const int64_t row = n * g.splits + i / per_split;
+    if (g.group_tiles) {
+      acc = add2(acc, group_sums[row * g.G + grp]);
+    } else {
+      const int64_t c = grp * g.D + i % per_split;
+      const float w = load_param<T>(a.weight, a.params_fp32, c, 1.f);
+      acc = add2(acc, make_float2(w * channel_sums[row * g.C + c].x, w * channel_sums[row * g.C + c].y));
+    }
   }
-  coef.x = warp_sum(coef.x);
-  coef.y = warp_sum(coef.y);
-  if (lane == 0) {
+  acc = block_reduce(acc, add2, warp_sum2);
+  if (threadIdx.x == 0) {
     const float inv_m = 1.f / ((float)g.S * (float)g.D);
-    reinterpret_cast<float2*>(a.coeffs)[ng] = make_float2(coef.x * inv_m, coef.y * inv_m);
+    reinterpret_cast<float2*>(a.coeffs)[ng] = make_float2(acc.x * inv_m, acc.y * inv_m);
   }
 }
 
@@ -188,52 +202,52 @@ __global__ void fused_backward_kernel(const BackwardArgs a) {
     thread_grad_sums<T, V, A>(a, b, p, acc);
     reduce_rowlanes<float2, V>(acc, smem, g, b.rowlane, add2);
   }
-  // smem[i] holds channel (tile_c0 + i).
-  const int64_t tile_c0 = b.tile * g.tile_vecs * g.vec;
-  const int64_t tile_channels = min((int64_t)g.tile_vecs * g.vec, g.C - tile_c0);
+  // smem[i] holds channel (tile start + i).
+  const int64_t c0 = tile_first_channel(g, b.tile);
   if (a.channel_sums != nullptr) {
-    float2* out = reinterpret_cast<float2*>(a.channel_sums) + b.n * g.C + tile_c0;
-    for (int64_t i = threadIdx.x; i < tile_channels; i += blockDim.x) out[i] = smem[i];
+    float2* out = reinterpret_cast<float2*>(a.channel_sums) + b.n * g.C + c0;
+    for (int64_t i = threadIdx.x; i < tile_channel_count(g, b.tile); i += blockDim.x) out[i] = smem[i];
   }
   if (a.dx == nullptr) return;  // uniform across the block
-  const int64_t group_base = tile_c0 / g.D;
-  const int lane = threadIdx.x % 32;
   const float inv_m = 1.f / ((float)g.S * (float)g.D);
-  for (int64_t gl = threadIdx.x / 32; gl < tile_channels / g.D; gl += blockDim.x / 32) {
-    float2 coef = make_float2(0.f, 0.f);
-    for (int64_t i = lane; i < g.D; i += 32) {
-      const float w = load_param<T>(a.weight, a.params_fp32, tile_c0 + gl * g.D + i, 1.f);
-      coef.x = fmaf(w, smem[gl * g.D + i].x, coef.x);
-      coef.y = fmaf(w, smem[gl * g.D + i].y, coef.y);
-    }
-    coef.x = warp_sum(coef.x);
-    coef.y = warp_sum(coef.y);
-    if (lane == 0) group_coef[gl] = make_float2(coef.x * inv_m, coef.y * inv_m);
-  }
+  reduce_tile_groups<float2>(
+      tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return weighted<T>(a, smem, c0, i); }, add2,
+      warp_sum2, [&](int64_t gl, float2 t) { group_coef[gl] = make_float2(t.x * inv_m, t.y * inv_m); });
   __syncthreads();
+  const int64_t group_base = c0 / g.D;
   float2 coef[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) coef[j] = b.active ? group_coef[p.group[j] - group_base] : make_float2(0.f, 0.f);
   dx_rows<T, V, A>(a, b, p, coef);
 }
 
-// dweight[c] = sum_n channel_sums[n, c].y, dbias[c] = sum_n channel_sums[n, c].x.
-// Block: 32 channels x 8 batch lanes, fixed-order tree over the lanes.
+// dweight[c] = sum of channel_sums[r, c].y and dbias[c] = sum of channel_sums[r, c].x over the N * splits
+// rows r. Block: 32 channels x 8 row lanes, each lane with 4 independent accumulators (loads in flight),
+// combined in a fixed order.
 template <typename P>
-__global__ void param_grad_kernel(const BackwardArgs a) {
-  __shared__ float2 smem[8][33];
+__global__ void param_grad_kernel(const BackwardArgs a, int64_t rows) {
+  constexpr int kLanes = 8, kAcc = 4;
+  __shared__ float2 smem[kLanes][33];
   const Geometry& g = a.geo;
   const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x % 32;
-  const int lane_n = threadIdx.x / 32;
-  float2 s = make_float2(0.f, 0.f);
+  const int lane = threadIdx.x / 32;
+  float2 acc[kAcc];
+#pragma unroll
+  for (int k = 0; k < kAcc; ++k) acc[k] = make_float2(0.f, 0.f);
   if (c < g.C) {
     const float2* sums = reinterpret_cast<const float2*>(a.channel_sums);
-    for (int64_t n = lane_n; n < g.N; n += 8) s = add2(s, sums[n * g.C + c]);
+    int64_t r = lane;
+    for (; r + (kAcc - 1) * kLanes < rows; r += kAcc * kLanes) {
+#pragma unroll
+      for (int k = 0; k < kAcc; ++k) acc[k] = add2(acc[k], sums[(r + k * kLanes) * g.C + c]);
+    }
+    for (; r < rows; r += kLanes) acc[0] = add2(acc[0], sums[r * g.C + c]);
   }
-  smem[lane_n][threadIdx.x % 32] = s;
+  smem[lane][threadIdx.x % 32] = add2(add2(acc[0], acc[1]), add2(acc[2], acc[3]));
   __syncthreads();
-  if (lane_n == 0 && c < g.C) {
-    for (int k = 1; k < 8; ++k) s = add2(s, smem[k][threadIdx.x]);
+  if (lane == 0 && c < g.C) {
+    float2 s = smem[0][threadIdx.x];
+    for (int k = 1; k < kLanes; ++k) s = add2(s, smem[k][threadIdx.x]);
     if (a.dweight != nullptr) static_cast<P*>(a.dweight)[c] = from_float<P>(s.y);
     if (a.dbias != nullptr) static_cast<P*>(a.dbias)[c] = from_float<P>(s.x);
   }
@@ -250,17 +264,16 @@ void launch_typed(const BackwardArgs& a, cudaStream_t stream) {
   } else {
     grad_partial_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    constexpr int kWarps = 8;
-    const unsigned finalize_blocks = (unsigned)((g.N * g.G + kWarps - 1) / kWarps);
-    grad_finalize_kernel<T><<<finalize_blocks, kWarps * 32, 0, stream>>>(a);
+    grad_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (a.dweight != nullptr || a.dbias != nullptr) {
     const unsigned param_blocks = (unsigned)((g.C + 31) / 32);
+    const int64_t rows = g.N * (g.fused ? 1 : g.splits);
     if (a.params_fp32) {
-      param_grad_kernel<float><<<param_blocks, 256, 0, stream>>>(a);
+      param_grad_kernel<float><<<param_blocks, 256, 0, stream>>>(a, rows);
     } else {
-      param_grad_kernel<T><<<param_blocks, 256, 0, stream>>>(a);
+      param_grad_kernel<T><<<param_blocks, 256, 0, stream>>>(a, rows);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

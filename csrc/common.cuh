@@ -122,10 +122,11 @@ __device__ __forceinline__ float load_param(const void* p, bool fp32, int64_t c,
 // Welford / Chan statistics. Combination formula: Chan, Golub & LeVeque (1979),
 // "Updating formulae and a pairwise algorithm for computing sample variances".
 // ---------------------------------------------------------------------------------------------
+// Plain aggregate (no constructor) so that it can live in __shared__ memory; zero-initialise with {}.
 struct Welford {
-  float mean = 0.f;
-  float m2 = 0.f;  // sum of squared deviations from mean
-  float count = 0.f;
+  float mean;
+  float m2;  // sum of squared deviations from mean
+  float count;
 };
 
 __device__ __forceinline__ Welford welford_combine(const Welford& a, const Welford& b) {
@@ -133,7 +134,7 @@ __device__ __forceinline__ Welford welford_combine(const Welford& a, const Welfo
   if (n == 0.f) return a;
   const float wb = b.count / n;
   const float delta = b.mean - a.mean;
-  Welford r;
+  Welford r{};
   r.mean = a.mean + delta * wb;
   r.m2 = a.m2 + b.m2 + delta * delta * a.count * wb;
   r.count = n;
@@ -157,6 +158,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
+
+__device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+
+__device__ __forceinline__ float2 warp_sum2(float2 v) { return make_float2(warp_sum(v.x), warp_sum(v.y)); }
 
 // ---------------------------------------------------------------------------------------------
 // Block coordinates. Grid is 1-D over N * splits * tiles blocks (64-bit safe, no gridDim.y limit);

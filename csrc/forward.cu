@@ -3,8 +3,8 @@
 // Fused geometry (small images or many of them): one kernel, grid (N * tiles): each block gathers the
 // statistics of whole groups, then normalises the same rows (a second read that hits L2).
 // Split geometry (few images, many rows: e.g. a batch-1 VAE decode has N*G = 32 groups for 132 SMs):
-//   1. stats_partial  grid (N * splits * tiles): per-channel (mean, m2) of one row range -> partials
-//   2. stats_finalize one warp per (n, g): Chan-combines splits x D partials -> mean, rstd
+//   1. stats_partial  grid (N * splits * tiles): (mean, m2) of one row range per group (or channel) -> scratch
+//   2. stats_finalize one block per (n, g): Chan-combines the splits' partials -> mean, rstd (+ mean offset)
 //   3. normalize      grid as 1, walked in reverse so it starts on the rows still in L2.
 #include <c10/cuda/CUDAException.h>
 
@@ -13,19 +13,28 @@
 namespace gn_patch {
 namespace {
 
-// Per-thread statistics of its V channels over the rows it visits, as Welford triples.
-// Sums are shifted by the first value each lane sees, so that large offsets (x = 1000 + 0.001 * noise)
-// do not cancel catastrophically in float32.
+// The reference value of each (n, g): x[n, first spatial position, first channel of g]. All statistics of a
+// group are accumulated as offsets from it, so large offsets (x = 1000 + 0.001 * noise) neither cancel in
+// the sums nor lose precision when partial means are combined or subtracted in float32.
+template <typename T>
+__device__ __forceinline__ float group_reference(const T* x, const Geometry& g, int64_t n, int64_t group) {
+  return to_float(x[n * g.S * g.C + group * g.D]);
+}
+
+// Per-thread statistics of its V channels over the rows it visits, as Welford triples whose means are
+// offsets from the channel's group reference.
 template <typename T, int V>
 __device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, const BlockCoord& b, Welford (&w)[V]) {
   float shift[V], s1[V], s2[V];
 #pragma unroll
-  for (int j = 0; j < V; ++j) shift[j] = s1[j] = s2[j] = 0.f;
+  for (int j = 0; j < V; ++j) {
+    shift[j] = b.active ? group_reference(x, g, b.n, (b.c0 + j) / g.D) : 0.f;
+    s1[j] = s2[j] = 0.f;
+  }
   const int64_t step = g.block_rows;
   int64_t r = b.row_begin + b.rowlane;
   const T* base = x + b.n * g.S * g.C + b.c0;
-  if (b.active && r < b.row_end) {
-    load_vec<T, V>(base + r * g.C, shift);
+  if (b.active) {
     for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
       float v[kUnroll][V];
 #pragma unroll
@@ -55,16 +64,18 @@ __device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, cons
   const float inv = count > 0.f ? 1.f / count : 0.f;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    w[j].mean = shift[j] + s1[j] * inv;
+    w[j].mean = s1[j] * inv;
     w[j].m2 = fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.f);
     w[j].count = count;
   }
 }
 
-// y = act(x * scale + shift) over this thread's rows; scale/shift fold weight, bias, mean and rstd.
+// y = act((x - ref) * scale + shift) over this thread's rows; ref is the group reference (x - ref is exact
+// for x near it), scale and shift fold weight, bias, the mean offset and rstd.
 template <typename T, int V, Act A>
 __device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry& g, const BlockCoord& b,
-                                               const float (&scale)[V], const float (&shift)[V]) {
+                                               const float (&ref)[V], const float (&scale)[V],
+                                               const float (&shift)[V]) {
   if (!b.active) return;
   const int64_t step = g.block_rows;
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -76,7 +87,7 @@ __device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry&
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[u][j] = Activation<A>::f(fmaf(v[u][j], scale[j], shift[j]));
+      for (int j = 0; j < V; ++j) v[u][j] = Activation<A>::f(fmaf(v[u][j] - ref[j], scale[j], shift[j]));
       store_vec<T, V>(y + offset + (r + u * step) * g.C, v[u]);
     }
   }
@@ -84,25 +95,27 @@ __device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry&
     float v[V];
     load_vec<T, V>(x + offset + r * g.C, v);
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j], scale[j], shift[j]));
+    for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j] - ref[j], scale[j], shift[j]));
     store_vec<T, V>(y + offset + r * g.C, v);
   }
 }
 
-// Per-lane scale = rstd * weight and shift = bias - mean * scale; mean/rstd indexed by group - group_base.
+// Per lane: the group reference, scale = rstd * weight and shift = bias - mean_offset * scale, with the
+// group's mean offset and rstd read at index (group - group_base).
 template <typename T, int V>
-__device__ __forceinline__ void fold_affine(const ForwardArgs& a, const BlockCoord& b, const float* mean,
-                                            const float* rstd, int64_t group_base, float (&scale)[V],
-                                            float (&shift)[V]) {
+__device__ __forceinline__ void fold_affine(const ForwardArgs& a, const BlockCoord& b, const float* mean_offset,
+                                            const float* rstd, int64_t group_base, float (&ref)[V],
+                                            float (&scale)[V], float (&shift)[V]) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) scale[j] = shift[j] = 0.f;
+  for (int j = 0; j < V; ++j) ref[j] = scale[j] = shift[j] = 0.f;
   if (!b.active) return;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int64_t c = b.c0 + j;
-    const int64_t gi = c / a.geo.D - group_base;
-    scale[j] = rstd[gi] * load_param<T>(a.weight, a.params_fp32, c, 1.f);
-    shift[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f) - mean[gi] * scale[j];
+    const int64_t group = c / a.geo.D;
+    ref[j] = group_reference(static_cast<const T*>(a.x), a.geo, b.n, group);
+    scale[j] = rstd[group - group_base] * load_param<T>(a.weight, a.params_fp32, c, 1.f);
+    shift[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f) - mean_offset[group - group_base] * scale[j];
   }
 }
 
@@ -114,52 +127,55 @@ __global__ void stats_partial_kernel(const ForwardArgs a) {
   Welford w[V];
   thread_stats<T, V>(static_cast<const T*>(a.x), g, b, w);
   reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
-  if (b.rowlane == 0 && b.active) {
-    float2* out = reinterpret_cast<float2*>(a.partials) + (b.n * g.splits + b.split) * g.C + b.c0;
+  float2* out = reinterpret_cast<float2*>(a.partials) + (b.n * g.splits + b.split) * (g.group_tiles ? g.G : g.C);
+  if (g.group_tiles) {
+    const int64_t c0 = tile_first_channel(g, b.tile);
+    reduce_tile_groups<Welford>(
+        tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return smem[i]; }, welford_combine, warp_welford,
+        [&](int64_t gl, const Welford& t) { out[c0 / g.D + gl] = make_float2(t.mean, t.m2); });
+  } else if (b.rowlane == 0 && b.active) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) out[j] = make_float2(w[j].mean, w[j].m2);
+    for (int j = 0; j < V; ++j) out[b.c0 + j] = make_float2(w[j].mean, w[j].m2);
   }
 }
 
-// One warp per (n, g): Chan-combines the per-channel partials of every split.
+// One block per (n, g): Chan-combines the group's partials of every split (per group, or per channel when
+// tiles split groups), then writes mean, rstd and the mean offset from the group reference.
+template <typename T>
 __global__ void stats_finalize_kernel(const ForwardArgs a) {
   const Geometry& g = a.geo;
-  const int lane = threadIdx.x % 32;
-  const int64_t ng = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (ng >= g.N * g.G) return;  // whole warps exit together: no barrier below
-  const int64_t n = ng / g.G, grp = ng % g.G;
+  const int64_t ng = blockIdx.x, n = ng / g.G, grp = ng % g.G;
+  const int64_t per_split = g.group_tiles ? 1 : g.D;  // entries of this group in one split
   const float2* part = reinterpret_cast<const float2*>(a.partials);
-  Welford acc;
-  for (int64_t i = lane; i < g.splits * g.D; i += 32) {
-    const int64_t s = i / g.D;
-    const float2 p = part[(n * g.splits + s) * g.C + grp * g.D + i % g.D];
-    Welford w;
-    w.mean = p.x;
-    w.m2 = p.y;
-    w.count = (float)min(g.rows_per_split, g.S - s * g.rows_per_split);
-    acc = welford_combine(acc, w);
+  Welford acc{};
+  for (int64_t i = threadIdx.x; i < g.splits * per_split; i += blockDim.x) {
+    const int64_t s = i / per_split;
+    const float2 p = part[((n * g.splits + s) * g.G + grp) * per_split + i % per_split];
+    const float rows = (float)min(g.rows_per_split, g.S - s * g.rows_per_split);
+    acc = welford_combine(acc, Welford{p.x, p.y, rows * (float)(g.D / per_split)});
   }
-  acc = warp_welford(acc);
-  if (lane == 0) {
-    a.mean[ng] = acc.mean;
+  acc = block_reduce(acc, welford_combine, warp_welford);
+  if (threadIdx.x == 0) {
+    a.mean[ng] = group_reference(static_cast<const T*>(a.x), g, n, grp) + acc.mean;
     a.rstd[ng] = rsqrtf(acc.m2 / acc.count + a.eps);
+    a.mean_offsets[ng] = acc.mean;
   }
 }
 
 template <typename T, int V, Act A>
 __global__ void normalize_kernel(const ForwardArgs a) {
   const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
-  float scale[V], shift[V];
+  float ref[V], scale[V], shift[V];
   const int64_t stats = b.n * a.geo.G;
-  fold_affine<T, V>(a, b, a.mean + stats, a.rstd + stats, 0, scale, shift);
-  normalize_rows<T, V, A>(static_cast<const T*>(a.x), static_cast<T*>(a.y), a.geo, b, scale, shift);
+  fold_affine<T, V>(a, b, a.mean_offsets + stats, a.rstd + stats, 0, ref, scale, shift);
+  normalize_rows<T, V, A>(static_cast<const T*>(a.x), static_cast<T*>(a.y), a.geo, b, ref, scale, shift);
 }
 
 // Fused geometry: the block's tile is whole groups and it sees every row of its image.
 template <typename T, int V, Act A>
 __global__ void fused_forward_kernel(const ForwardArgs a) {
   __shared__ Welford smem[kMaxThreads * V];
-  __shared__ float group_mean[kMaxThreads * V];
+  __shared__ float group_offset[kMaxThreads * V];
   __shared__ float group_rstd[kMaxThreads * V];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g, /*reverse=*/false);
@@ -169,27 +185,21 @@ __global__ void fused_forward_kernel(const ForwardArgs a) {
     thread_stats<T, V>(x, g, b, w);
     reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
   }
-  // smem[i] now holds channel (tile_c0 + i); warps take the tile's groups in turn.
-  const int64_t tile_c0 = b.tile * g.tile_vecs * g.vec;
-  const int64_t tile_groups = min((int64_t)g.tile_vecs * g.vec, g.C - tile_c0) / g.D;
-  const int64_t group_base = tile_c0 / g.D;
-  const int lane = threadIdx.x % 32;
-  for (int64_t gl = threadIdx.x / 32; gl < tile_groups; gl += blockDim.x / 32) {
-    Welford acc;
-    for (int64_t i = lane; i < g.D; i += 32) acc = welford_combine(acc, smem[gl * g.D + i]);
-    acc = warp_welford(acc);
-    if (lane == 0) {
-      const float rstd = rsqrtf(acc.m2 / acc.count + a.eps);
-      group_mean[gl] = acc.mean;
-      group_rstd[gl] = rstd;
-      a.mean[b.n * g.G + group_base + gl] = acc.mean;
-      a.rstd[b.n * g.G + group_base + gl] = rstd;
-    }
-  }
+  // smem[i] now holds channel (tile start + i); warps take the tile's groups in turn.
+  const int64_t group_base = tile_first_channel(g, b.tile) / g.D;
+  reduce_tile_groups<Welford>(
+      tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return smem[i]; }, welford_combine, warp_welford,
+      [&](int64_t gl, const Welford& t) {
+        const float rstd = rsqrtf(t.m2 / t.count + a.eps);
+        group_offset[gl] = t.mean;
+        group_rstd[gl] = rstd;
+        a.mean[b.n * g.G + group_base + gl] = group_reference(x, g, b.n, group_base + gl) + t.mean;
+        a.rstd[b.n * g.G + group_base + gl] = rstd;
+      });
   __syncthreads();
-  float scale[V], shift[V];
-  fold_affine<T, V>(a, b, group_mean, group_rstd, group_base, scale, shift);
-  normalize_rows<T, V, A>(x, static_cast<T*>(a.y), g, b, scale, shift);
+  float ref[V], scale[V], shift[V];
+  fold_affine<T, V>(a, b, group_offset, group_rstd, group_base, ref, scale, shift);
+  normalize_rows<T, V, A>(x, static_cast<T*>(a.y), g, b, ref, scale, shift);
 }
 
 template <typename T, int V, Act A>
@@ -204,9 +214,7 @@ void launch_typed(const ForwardArgs& a, cudaStream_t stream) {
   }
   stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  constexpr int kWarps = 8;
-  const unsigned finalize_blocks = (unsigned)((g.N * g.G + kWarps - 1) / kWarps);
-  stats_finalize_kernel<<<finalize_blocks, kWarps * 32, 0, stream>>>(a);
+  stats_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -11,7 +11,7 @@ constexpr int kMaxThreads = 256;      // must match reduce.cuh
 constexpr int64_t kWideTile = 64;     // vectors per tile row: 1 KiB of fp16 per row, fully coalesced
 constexpr int64_t kBlocksPerSm = 8;   // 8 x 256 threads = the SM's 2048-thread limit
 constexpr int64_t kFusedMaxRowsPerThread = 16;
-constexpr int64_t kMinRowsPerThread = 4;
+constexpr int64_t kMinRowsPerThread = 16;  // keeps splits (and finalize work) bounded
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -32,6 +32,7 @@ Geometry make_geometry(int64_t N, int64_t S, int64_t C, int64_t G, int elem_size
   // The smallest tile made of whole groups and whole vectors: lcm(D, vec) channels.
   const int64_t unit = std::lcm(g.D, (int64_t)g.vec) / g.vec;
   const bool group_aligned = unit <= kMaxThreads;
+  g.group_tiles = group_aligned;
   const int64_t wide = group_aligned ? std::min(row_vecs, unit * std::max<int64_t>(1, kWideTile / unit))
                                      : std::min(row_vecs, kWideTile);
 

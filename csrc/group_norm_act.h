@@ -18,6 +18,8 @@ enum class Act : int { kIdentity = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3, kRelu
 //     rows [split * rows_per_split, +rows_per_split) with `block_rows` rows in flight, one vector per thread.
 //   - fused: one split per image and tiles made of whole groups, so a single block sees every element of
 //     its groups and the statistics, normalisation (or gradient) run in one kernel.
+//   - split: partial results per (n, split) are written to scratch and combined by a finalize kernel; per
+//     group when tiles hold whole groups, else per channel (a group wider than any tile, e.g. G = 1).
 struct Geometry {
   int64_t N = 0;             // batch
   int64_t S = 0;             // spatial positions per image (H*W, D*H*W or L)
@@ -30,6 +32,7 @@ struct Geometry {
   int block_rows = 1;        // rows a block processes at once; threads = tile_vecs * block_rows
   int64_t splits = 1;        // row ranges per image
   int64_t rows_per_split = 0;
+  bool group_tiles = false;  // every tile holds whole groups (so blocks can reduce per group)
   bool fused = false;
 
   // Whole warps: the warp-level group reductions use full-mask shuffles.
@@ -52,7 +55,9 @@ struct ForwardArgs {
   void* y;
   float* mean;         // (N, G)
   float* rstd;         // (N, G)
-  float* partials;     // (N, splits, C) pairs of (mean, m2); unused when geo.fused
+  float* partials;     // (N, splits, G or C) pairs of (mean offset, m2), per group when geo.group_tiles;
+                       // unused when geo.fused
+  float* mean_offsets; // (N, G) mean minus the group reference value; unused when geo.fused
 };
 
 struct BackwardArgs {
@@ -69,8 +74,8 @@ struct BackwardArgs {
   void* dx;             // nullptr: dx not required
   void* dweight;        // nullptr: not required; else weight's dtype, (C,)
   void* dbias;          // nullptr: not required; else bias's dtype, (C,)
-  float* partials;      // (N, splits, C) pairs of (sum du, sum du*xhat); unused when geo.fused
-  float* channel_sums;  // (N, C) pairs of (sum du, sum du*xhat)
+  float* channel_sums;  // (N, splits, C) pairs of (sum du, sum du*xhat); splits = 1 when geo.fused
+  float* group_sums;    // (N, splits, G) pairs of (sum w*du, sum w*du*xhat); split geometry with group tiles
   float* coeffs;        // (N, G) pairs of the dx coefficients (mean of w*du, mean of w*du*xhat)
 };
 

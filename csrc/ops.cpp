@@ -149,12 +149,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(const at::Ten
   a.y = y.data_ptr();
   a.mean = mean.data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
-  at::Tensor partials;
+  at::Tensor scratch;  // [partials | mean offsets], split geometry only
+  a.partials = a.mean_offsets = nullptr;
   if (!a.geo.fused) {
-    partials = at::empty({N * a.geo.splits * C * 2}, stat_opts);
-    a.partials = partials.data_ptr<float>();
-  } else {
-    a.partials = nullptr;
+    const int64_t n_partials = N * a.geo.splits * C * 2;
+    scratch = at::empty({n_partials + N * num_groups}, stat_opts);
+    a.partials = scratch.data_ptr<float>();
+    a.mean_offsets = a.partials + n_partials;
   }
   launch_forward(a, c10::cuda::getCurrentCUDAStream());
   return {y, mean, rstd};
@@ -207,16 +208,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_backward_cuda(
   a.dweight = need_dw ? dweight.data_ptr() : nullptr;
   a.dbias = need_db ? dbias.data_ptr() : nullptr;
 
-  // One scratch allocation: [partials (split geometry only) | channel sums | coefficients].
+  // One scratch allocation: [channel sums | group sums | coefficients], each only where used.
   const auto f32 = x.options().dtype(at::kFloat);
-  const int64_t n_partials = a.geo.fused ? 0 : N * a.geo.splits * C * 2;
-  const bool need_channel_sums = need_dw || need_db || !a.geo.fused;
-  const int64_t n_sums = need_channel_sums ? N * C * 2 : 0;
-  at::Tensor scratch = at::empty({n_partials + n_sums + N * num_groups * 2}, f32);
+  const bool split = !a.geo.fused;
+  const int64_t rows = N * (split ? a.geo.splits : 1);
+  const int64_t n_channel = (split || need_dw || need_db) ? rows * C * 2 : 0;
+  const int64_t n_group = (split && a.geo.group_tiles) ? rows * num_groups * 2 : 0;
+  const int64_t n_coeffs = split ? N * num_groups * 2 : 0;
+  at::Tensor scratch = at::empty({n_channel + n_group + n_coeffs}, f32);
   float* base = scratch.data_ptr<float>();
-  a.partials = n_partials ? base : nullptr;
-  a.channel_sums = need_channel_sums ? base + n_partials : nullptr;
-  a.coeffs = base + n_partials + n_sums;
+  a.channel_sums = n_channel ? base : nullptr;
+  a.group_sums = n_group ? base + n_channel : nullptr;
+  a.coeffs = n_coeffs ? base + n_channel + n_group : nullptr;
   launch_backward(a, c10::cuda::getCurrentCUDAStream());
   return {dx, dweight, dbias};
 }

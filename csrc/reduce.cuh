@@ -37,4 +37,44 @@ __device__ __forceinline__ void reduce_rowlanes(Acc (&acc)[V], Acc* smem, const 
   __syncthreads();
 }
 
+// Channels of a tile of whole groups -> groups: warp w reduces groups w, w + warps, ... of the tile;
+// value(i) gives channel i of the tile; emit(group_in_tile, total) runs on lane 0. Fixed order.
+template <typename Acc, typename Value, typename Combine, typename WarpReduce, typename Emit>
+__device__ __forceinline__ void reduce_tile_groups(int64_t tile_groups, int64_t D, Value value, Combine combine,
+                                                   WarpReduce warp_reduce, Emit emit) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t gl = threadIdx.x / 32; gl < tile_groups; gl += blockDim.x / 32) {
+    Acc acc{};
+    for (int64_t i = lane; i < D; i += 32) acc = combine(acc, value(gl * D + i));
+    acc = warp_reduce(acc);
+    if (lane == 0) emit(gl, acc);
+  }
+}
+
+// Whole-block reduction in fixed order; the result is valid in thread 0. blockDim.x a multiple of 32.
+template <typename Acc, typename Combine, typename WarpReduce>
+__device__ __forceinline__ Acc block_reduce(Acc acc, Combine combine, WarpReduce warp_reduce) {
+  __shared__ Acc warp_totals[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  acc = warp_reduce(acc);
+  if (lane == 0) warp_totals[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < (int)(blockDim.x / 32) ? warp_totals[lane] : Acc{};
+    acc = warp_reduce(acc);
+  }
+  return acc;
+}
+
+// Channels of tile `tile` (the last tile of a row can be partial).
+__device__ __forceinline__ int64_t tile_first_channel(const Geometry& g, int64_t tile) {
+  return tile * g.tile_vecs * g.vec;
+}
+__device__ __forceinline__ int64_t tile_channel_count(const Geometry& g, int64_t tile) {
+  return min((int64_t)g.tile_vecs * g.vec, g.C - tile_first_channel(g, tile));
+}
+
+// Blocks of the finalize kernels: one per (n, g).
+constexpr int kFinalizeThreads = 256;
+
 }  // namespace gn_patch

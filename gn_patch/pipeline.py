@@ -1,0 +1,55 @@
+"""Patch every GroupNorm-holding component of a diffusers pipeline (unet, vae, controlnet, ...) in place."""
+
+from __future__ import annotations
+
+from diffusers.models.normalization import AdaGroupNorm
+from torch import nn
+
+from .surgeon import PatchReport, patch_model, unpatch_model
+
+try:
+    from transformers import PreTrainedModel
+except ImportError:  # transformers is optional; without it no component is a transformers model
+    PreTrainedModel = ()
+
+__all__ = ["patch_pipeline", "unpatch_pipeline"]
+
+
+def _holds_group_norm(module: nn.Module) -> bool:
+    return any(isinstance(m, (nn.GroupNorm, AdaGroupNorm)) for m in module.modules())
+
+
+def patch_pipeline(pipe, **kwargs) -> PatchReport:
+    """:func:`~gn_patch.surgeon.patch_model` applied to each torch.nn.Module in ``pipe.components`` that holds a
+    GroupNorm: unet, vae, controlnet (MultiControlNetModel and ControlNetUnionModel included), ...
+
+    transformers models (text and image encoders) are left alone; one holding a GroupNorm is listed as skipped.
+    Components are patched in place, so this works before or after ``pipe.to(...)``, with accelerate offload hooks
+    (``enable_model_cpu_offload``) already attached or attached later, and before ``torch.compile(pipe.unet)``.
+    Call it again after replacing a component.
+
+    Args:
+        pipe: a diffusers DiffusionPipeline (anything with a ``components`` dict).
+        **kwargs: passed to patch_model (``channels_last``).
+
+    Returns:
+        PatchReport of all components, module names prefixed by the component's name (``unet.conv_norm_out``).
+    """
+    report = PatchReport()
+    for name, component in pipe.components.items():
+        if not isinstance(component, nn.Module) or not _holds_group_norm(component):
+            continue
+        if isinstance(component, PreTrainedModel):
+            report.skipped.append((name, f"{type(component).__name__} is a transformers model: left alone"))
+        else:
+            report = report.merge(patch_model(component, **kwargs), prefix=name)
+    return report
+
+
+def unpatch_pipeline(pipe) -> int:
+    """:func:`~gn_patch.surgeon.unpatch_model` applied to every torch.nn.Module in ``pipe.components``.
+
+    Returns:
+        The number of GroupNorms turned back from GroupNormAct.
+    """
+    return sum(unpatch_model(component) for component in pipe.components.values() if isinstance(component, nn.Module))

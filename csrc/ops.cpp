@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <string>
 #include <string_view>
 #include <tuple>
 
@@ -19,13 +20,25 @@
 namespace gn_patch {
 namespace {
 
+// Messages are assembled as one std::string (std::to_string, no iostreams): formatting numbers through the
+// inline iostream templates that TORCH_CHECK's variadic form instantiates crashed an extension built with the
+// H200 image's toolchain (segfault inside std::ostream::_M_insert<long>).
+std::string shape_str(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+std::string dtype_str(at::ScalarType t) { return c10::toString(t); }
+
 Act parse_activation(std::string_view name) {
   if (name == "identity") return Act::kIdentity;
   if (name == "silu") return Act::kSilu;
   if (name == "gelu") return Act::kGelu;
   if (name == "gelu_tanh") return Act::kGeluTanh;
   if (name == "relu") return Act::kRelu;
-  TORCH_CHECK(false, "gn_patch: unknown activation '", name, "' (expected identity, silu, gelu, gelu_tanh or relu)");
+  TORCH_CHECK(false, "gn_patch: unknown activation '" + std::string(name) +
+                         "' (expected identity, silu, gelu, gelu_tanh or relu)");
 }
 
 ScalarKind scalar_kind(const at::Tensor& x) {
@@ -34,8 +47,9 @@ ScalarKind scalar_kind(const at::Tensor& x) {
     case at::kHalf: return ScalarKind::kHalf;
     case at::kBFloat16: return ScalarKind::kBFloat16;
     default:
-      TORCH_CHECK(false, "gn_patch CUDA kernel: expected a float32, float16 or bfloat16 input, got ", x.scalar_type(),
-                  " (gn_patch.group_norm_act takes the PyTorch path for other floating dtypes)");
+      TORCH_CHECK(false, "gn_patch CUDA kernel: expected a float32, float16 or bfloat16 input, got " +
+                             dtype_str(x.scalar_type()) +
+                             " (gn_patch.group_norm_act takes the PyTorch path for other floating dtypes)");
   }
 }
 
@@ -63,7 +77,8 @@ int64_t spatial_size(const at::Tensor& x) {
 
 int num_sms(int device) {
   static std::array<int, 64> cache{};  // 0: not read yet
-  TORCH_CHECK(device >= 0 && device < (int)cache.size(), "gn_patch: device index ", device, " out of range");
+  TORCH_CHECK(device >= 0 && device < (int)cache.size(), "gn_patch: device index " + std::to_string(device) +
+                                                             " out of range");
   if (cache[device] == 0) {
     int sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -77,32 +92,37 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // Checks shared by forward and backward, with torch.nn.GroupNorm's messages where it has one.
 void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                   int64_t num_groups) {
-  TORCH_CHECK(x.is_cuda(), "gn_patch CUDA kernel: expected a CUDA input, got device ", x.device());
-  TORCH_CHECK(x.dim() >= 2 && x.dim() <= 5, "gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape ",
-              x.sizes());
+  TORCH_CHECK(x.is_cuda(), "gn_patch CUDA kernel: expected a CUDA input, got device " + x.device().str());
+  TORCH_CHECK(x.dim() >= 2 && x.dim() <= 5,
+              "gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
   scalar_kind(x);
   const int64_t C = x.size(1);
-  TORCH_CHECK(num_groups > 0, "gn_patch: num_groups must be positive, got ", num_groups);
-  TORCH_CHECK(C % num_groups == 0, "Expected number of channels in input to be divisible by num_groups, but got input of shape ",
-              x.sizes(), " and num_groups=", num_groups);
-  TORCH_CHECK(is_channels_last_dense(x),
-              "gn_patch CUDA kernel: expected a dense channels-last input (channel stride 1), got shape ", x.sizes(),
-              " with strides ", x.strides());
-  TORCH_CHECK(x.numel() > 0 || x.size(0) == 0, "gn_patch CUDA kernel: empty spatial size in input of shape ", x.sizes());
+  TORCH_CHECK(num_groups > 0, "gn_patch: num_groups must be positive, got " + std::to_string(num_groups));
+  TORCH_CHECK(C % num_groups == 0,
+              "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
+                  shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));
+  TORCH_CHECK(is_channels_last_dense(x), "gn_patch CUDA kernel: expected a dense channels-last input (channel stride 1), got shape " +
+                                             shape_str(x.sizes()) + " with strides " + shape_str(x.strides()));
+  TORCH_CHECK(x.numel() > 0 || x.size(0) == 0,
+              "gn_patch CUDA kernel: empty spatial size in input of shape " + shape_str(x.sizes()));
   for (const auto* p : {&weight, &bias}) {
     if (!p->has_value()) continue;
     const at::Tensor& t = **p;
-    const char* name = p == &weight ? "weight" : "bias";
-    TORCH_CHECK(t.dim() == 1 && t.numel() == C, "Expected ", name,
-                " to be a vector of size equal to the number of channels in input, but got ", name, " of shape ",
-                t.sizes(), " and input of shape ", x.sizes());
-    TORCH_CHECK(t.device() == x.device(), "gn_patch: ", name, " is on ", t.device(), " but input is on ", x.device());
-    TORCH_CHECK(t.scalar_type() == x.scalar_type() || t.scalar_type() == at::kFloat, "gn_patch: ", name,
-                " must have the input's dtype (", x.scalar_type(), ") or float32, got ", t.scalar_type());
+    const std::string name = p == &weight ? "weight" : "bias";
+    TORCH_CHECK(t.dim() == 1 && t.numel() == C, "Expected " + name +
+                                                    " to be a vector of size equal to the number of channels in input, but got " +
+                                                    name + " of shape " + shape_str(t.sizes()) + " and input of shape " +
+                                                    shape_str(x.sizes()));
+    TORCH_CHECK(t.device() == x.device(),
+                "gn_patch: " + name + " is on " + t.device().str() + " but input is on " + x.device().str());
+    TORCH_CHECK(t.scalar_type() == x.scalar_type() || t.scalar_type() == at::kFloat,
+                "gn_patch: " + name + " must have the input's dtype (" + dtype_str(x.scalar_type()) +
+                    ") or float32, got " + dtype_str(t.scalar_type()));
   }
   if (weight.has_value() && bias.has_value()) {
-    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), "gn_patch: weight (", weight->scalar_type(),
-                ") and bias (", bias->scalar_type(), ") must have the same dtype");
+    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(), "gn_patch: weight (" + dtype_str(weight->scalar_type()) +
+                                                                  ") and bias (" + dtype_str(bias->scalar_type()) +
+                                                                  ") must have the same dtype");
   }
 }
 

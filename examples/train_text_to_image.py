@@ -339,8 +339,9 @@ def train(args: argparse.Namespace) -> dict:
         report = PatchReport().merge(patch_model(unet), "unet").merge(patch_model(vae), "vae")
         accelerator.print(report)
         # Build or load the CUDA kernels now, not inside the first step. Without them every GroupNormAct
-        # computes with PyTorch's GroupNorm: the log says so, as a benchmark would otherwise mislead.
-        kernels = extension.kernels_available() if device.type == "cuda" else False
+        # computes with PyTorch's GroupNorm: the log says so (False), as a benchmark would otherwise mislead.
+        # None: not a CUDA run, where PyTorch's GroupNorm is the design.
+        kernels = extension.kernels_available() if device.type == "cuda" else None
         patch_info = dict(fused=report.counts, skipped=report.skipped,
                           channels_last_conv_weights=report.channels_last, cuda_kernels=kernels)
     # Full fine-tuning keeps float32 master weights (autocast computes in weight_dtype); LoRA freezes the

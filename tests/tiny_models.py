@@ -41,7 +41,7 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     weights (ControlNet's zero convolutions, ...) random. Otherwise a test could not see, e.g., a lost affine."""
     generator = torch.Generator().manual_seed(seed)
     for param in model.parameters():
-        noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+        noise = torch.randn(param.shape, generator=generator, dtype=param.dtype).to(param.device)
         if param.dim() <= 1:
             param.add_(0.2 * noise)
         elif not param.any():

@@ -1,67 +1,40 @@
-"""Helpers shared by the training-path tests: UNet configs, inputs, gradients and their comparison."""
+"""Helpers shared by the training-path tests: models, inputs, gradients and their comparison."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from diffusers import UNet2DConditionModel
 
-# SD1.5's block structure (cross-attention down blocks then a plain one, mirrored on the way up, a
-# cross-attention mid block) at a size that runs forward and backward on a CPU in well under a second.
-TINY_UNET_CONFIG = dict(
-    sample_size=16,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    block_out_channels=(32, 64),
-    layers_per_block=1,
-    norm_num_groups=8,
-    cross_attention_dim=32,
-    attention_head_dim=8,
-)
+from gn_patch import GroupNormAct
+from gn_patch.surgeon import patch_model
 
-# The published unet/config.json of Stable Diffusion 1.5 (diffusers defaults fill in the other fields).
-SD15_UNET_CONFIG = dict(
-    sample_size=64,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    block_out_channels=(320, 640, 1280, 1280),
-    layers_per_block=2,
-    norm_num_groups=32,
-    norm_eps=1e-5,
-    cross_attention_dim=768,
-    attention_head_dim=8,
-    act_fn="silu",
-    flip_sin_to_cos=True,
-    freq_shift=0,
-    downsample_padding=1,
-    mid_block_scale_factor=1,
-    center_input_sample=False,
-)
+from .tiny_models import perturb_
 
 
 def build_unet(config: dict, seed: int = 0, device: str | torch.device = "cpu") -> UNet2DConditionModel:
-    """A randomly initialised UNet2DConditionModel in train mode, the same weights for the same seed."""
+    """A random UNet2DConditionModel in train mode, the same for the same seed.
+
+    GroupNorm affines are moved away from (1, 0) (tiny_models.perturb_): with the identity affine a fused
+    op that dropped the weight or bias from the backward pass would go unnoticed.
+    """
     torch.manual_seed(seed)
-    with torch.device(device):
-        unet = UNet2DConditionModel(**config)
-    return unet.train()
+    unet = UNet2DConditionModel(**config)
+    return perturb_(unet, seed).to(device).train()
 
 
 def patched_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """An independent copy of ``model`` run through gn_patch.patch_model (the original stays stock)."""
-    from gn_patch import patch_model  # the surgeon is imported where used: tests collect without it
-
+    """An independent copy of ``model`` run through patch_model (the original stays stock)."""
     patched = copy.deepcopy(model)
-    patch_model(patched)
+    report = patch_model(patched)
+    assert report.patched, "patch_model fused nothing: the comparison would be stock against stock"
+    assert any(isinstance(m, GroupNormAct) for m in patched.modules())
     return patched
 
 
-def unet_inputs(config: dict, batch: int, seed: int = 0, device="cpu", tokens: int = 8) -> dict:
+def unet_inputs(config: dict, batch: int, tokens: int, seed: int = 0, device="cpu") -> dict:
     """Latents, timesteps and text embeddings for one UNet call, drawn from a seeded CPU generator."""
     gen = torch.Generator().manual_seed(seed)
     size = config["sample_size"]
@@ -70,33 +43,31 @@ def unet_inputs(config: dict, batch: int, seed: int = 0, device="cpu", tokens: i
         timestep=torch.randint(0, 1000, (batch,), generator=gen),
         encoder_hidden_states=torch.randn(batch, tokens, config["cross_attention_dim"], generator=gen),
     )
-    return {k: v.to(device) for k, v in inputs.items()}
+    return {key: value.to(device) for key, value in inputs.items()}
 
 
 def output_probe(config: dict, batch: int, seed: int = 1, device="cpu") -> torch.Tensor:
-    """A fixed random cotangent for the UNet output.
-
-    The loss ``(output * probe).sum()`` gives every output element an O(1) gradient, like a loss-scaled
-    MSE in real training, so fp16 backward passes neither underflow nor overflow.
-    """
+    """A fixed random cotangent for the UNet output (see probe_loss)."""
     gen = torch.Generator().manual_seed(seed)
     size = config["sample_size"]
     return torch.randn(batch, config["out_channels"], size, size, generator=gen).to(device)
 
 
-def parameter_grads(model: torch.nn.Module, inputs: dict, probe: torch.Tensor,
-                    autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Gradients of ``(model(**inputs) * probe).sum()`` for every parameter that requires grad.
+def probe_loss(output: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    """``(output * probe).sum()`` averaged over the batch.
 
-    Gradients are cleared first and returned as float32 copies keyed by parameter name; a trainable
-    parameter that receives no gradient is an error, so a disconnected graph cannot pass a comparison.
-    ``autocast_dtype`` runs the forward under torch.autocast on the inputs' device.
+    Every output element gets an O(1) gradient, as with a loss-scaled MSE in real training, so fp16 backward
+    passes neither underflow nor overflow. Averaging over the batch makes DDP's gradient averaging over equal
+    shards equal the full-batch gradient.
     """
-    model.zero_grad(set_to_none=True)
-    device_type = probe.device.type
-    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        output = model(**inputs).sample
-    (output.float() * probe).sum().backward()
+    return (output.float() * probe).sum() / probe.shape[0]
+
+
+def collect_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """float32 copies of the gradients of every parameter that requires grad, keyed by parameter name.
+
+    A trainable parameter without a gradient is an error, so a disconnected graph cannot pass a comparison.
+    """
     grads = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -105,11 +76,24 @@ def parameter_grads(model: torch.nn.Module, inputs: dict, probe: torch.Tensor,
     return grads
 
 
+def parameter_grads(model: torch.nn.Module, inputs: dict, probe: torch.Tensor,
+                    autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """collect_grads after one backward pass of probe_loss from cleared gradients.
+
+    ``autocast_dtype`` runs the forward under torch.autocast on the probe's device.
+    """
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(probe.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        output = model(**inputs).sample
+    probe_loss(output, probe).backward()
+    return collect_grads(model)
+
+
 def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64 (the absolute distance where expected is all zero)."""
-    diff = (actual.double() - expected.double()).norm().item()
+    """||actual - expected|| / ||expected|| in float64; expected must not be all zeros."""
     scale = expected.double().norm().item()
-    return diff / scale if scale > 0 else diff
+    assert scale > 0, "reference gradient is all zeros: the comparison would prove nothing"
+    return (actual.double() - expected.double()).norm().item() / scale
 
 
 def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -122,9 +106,20 @@ def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.T
     return errors
 
 
+def worst(errors: dict[str, float], count: int = 5) -> list[tuple[str, float]]:
+    """The ``count`` largest errors, NaN first."""
+    return sorted(errors.items(), key=lambda kv: math.inf if math.isnan(kv[1]) else kv[1], reverse=True)[:count]
+
+
 def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float) -> None:
-    """Every parameter's gradient within ``rtol`` relative L2 distance; the message lists the worst ones."""
+    """Every parameter's gradient within ``rtol`` relative L2 distance of the reference."""
     errors = relative_errors(actual, expected)
     bad = {name: err for name, err in errors.items() if not err <= rtol}  # NaN fails too
-    worst = sorted(bad.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else float("-inf"))[:5]
-    assert not bad, f"{len(bad)} of {len(errors)} gradients off by more than {rtol} relative L2, worst: {worst}"
+    assert not bad, f"{len(bad)} of {len(errors)} gradients off by more than {rtol} relative L2: {worst(bad)}"
+
+
+def assert_grads_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Bitwise equality of every parameter's gradient."""
+    assert actual.keys() == expected.keys()
+    differing = [name for name in expected if not torch.equal(actual[name], expected[name])]
+    assert not differing, f"{len(differing)} of {len(expected)} gradients differ bitwise, e.g. {differing[:5]}"

@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Train stock and patched back to back and write both losses and samples/s to one JSON file.
+
+Runs examples/train_text_to_image.py twice in fresh subprocesses (``--no-patch`` first, then patched) with the
+same seed, so both see the same weights, data, noise and timesteps, then writes::
+
+    {"config", "stock_samples_per_s", "patched_samples_per_s", "speedup", "max_loss_diff_first_10_steps",
+     "stock_losses", "patched_losses", "commit"}
+
+The defaults are the acceptance run of issue 4: 50 steps of full fine-tuning of the SD1.5-architecture UNet at
+512x512, batch 8, bf16, on one GPU::
+
+    python examples/compare_training.py                      # -> benchmarks/results/h200/training.json
+
+Arguments it does not know go to both training runs (``--gradient-checkpointing``, ``--lora-rank 4``,
+``--tiny``, ...). ``--num-processes N`` (N > 1) runs each under ``accelerate launch --multi_gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = REPO / "examples" / "train_text_to_image.py"
+COMPARED_STEPS = 10
+# Config entries that differ between the two runs by design.
+PER_RUN_KEYS = {"no_patch", "output_dir", "log_json", "gn_patch"}
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "h200" / "training.json")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
+                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched")
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--resolution", type=int, default=512)
+    parser.add_argument("--train-batch-size", type=int, default=8, help="per device")
+    parser.add_argument("--max-train-steps", type=int, default=50)
+    parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16")
+    return parser.parse_known_args(argv)
+
+
+def launcher(num_processes: int) -> list[str]:
+    if num_processes == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes)]
+
+
+def train(args: argparse.Namespace, extra: list[str], patched: bool) -> dict:
+    """One training run in a subprocess; returns its --log-json content."""
+    run_dir = args.work_dir / ("patched" if patched else "stock")
+    log_path = run_dir / "log.json"
+    log_path.unlink(missing_ok=True)  # a failed run must not leave an old log to be read
+    command = [
+        *launcher(args.num_processes), str(TRAIN_SCRIPT),
+        "--resolution", str(args.resolution), "--train-batch-size", str(args.train_batch_size),
+        "--max-train-steps", str(args.max_train_steps), "--mixed-precision", args.mixed_precision,
+        "--output-dir", str(run_dir), "--log-json", str(log_path), *extra,
+    ]
+    if not patched:
+        command.append("--no-patch")
+    print("+", " ".join(command), flush=True)
+    result = subprocess.run(command, cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"the {'patched' if patched else 'stock'} run failed (exit status {result.returncode})")
+    return json.loads(log_path.read_text())
+
+
+def commit() -> str:
+    """The checked-out commit of the repository, or "unknown" (no git, no commit yet)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
+def summarize(stock: dict, patched: dict) -> dict:
+    """The result record of a stock and a patched run of the same configuration."""
+    shared = {key: value for key, value in stock["config"].items() if key not in PER_RUN_KEYS}
+    differing = [key for key, value in shared.items() if patched["config"].get(key) != value]
+    if differing:
+        raise SystemExit(f"the runs differ in more than the patch: {differing}")
+    gn_patch = patched["config"]["gn_patch"]
+    if gn_patch["cuda_kernels"] is False:
+        raise SystemExit("the patched run had no gn_patch CUDA kernels (it fell back to PyTorch's GroupNorm), "
+                         "so it would compare stock with stock: check `python -m gn_patch.build`")
+    first = list(zip(stock["losses"], patched["losses"]))[:COMPARED_STEPS]
+    return {
+        "config": dict(shared, gn_patch=gn_patch),
+        "stock_samples_per_s": stock["samples_per_s"],
+        "patched_samples_per_s": patched["samples_per_s"],
+        "speedup": patched["samples_per_s"] / stock["samples_per_s"],
+        f"max_loss_diff_first_{COMPARED_STEPS}_steps": max(abs(a - b) for a, b in first),
+        "stock_losses": stock["losses"],
+        "patched_losses": patched["losses"],
+        "commit": commit(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, extra = parse_args(argv)
+    result = summarize(train(args, extra, patched=False), train(args, extra, patched=True))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"stock {result['stock_samples_per_s']:.2f} samples/s, patched {result['patched_samples_per_s']:.2f} "
+          f"samples/s ({result['speedup']:.3f}x); max |loss difference| over the first {COMPARED_STEPS} steps "
+          f"{result[f'max_loss_diff_first_{COMPARED_STEPS}_steps']:.3g}; written to {args.output}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""Text-to-image with Stable Diffusion 1.5 or SDXL, stock and gn_patch-patched at the same seed: time, speedup, PSNR.
+
+    python examples/txt2img.py --arch sd15 --height 512 --width 512 --steps 30
+    python examples/txt2img.py --arch sdxl --height 1024 --width 1024 --check-fp32 --json results.jsonl
+    python examples/txt2img.py --model stabilityai/stable-diffusion-xl-base-1.0 --prompt "a red fox in snow"
+    python examples/txt2img.py --device cpu --steps 2 --height 64 --width 64       # smoke run
+
+Without ``--model`` the pipeline is built from the published architecture configs (gn_patch.configs) with random
+weights, and the prompt is a random embedding of the text encoders' output shape (SD1.5: 77 x 768; SDXL: 77 x 2048
+plus a pooled 1280), so it runs without network access, tokenizer or text encoder. The images are then noise-like;
+what matters is how close the patched image is to the stock one. (Random weights with diffusers' default init keep
+every activation far below the float16 range, e.g. at most ~15 in the SD VAE decoder, so float16 runs stay finite;
+a non-finite image stops the script with an error rather than reporting a meaningless PSNR.)
+
+One pipeline serves every variant: the optional float32 reference run first (``--check-fp32``), then stock in
+``--dtype``, then the same pipeline patched in place by gn_patch.patch_pipeline. Each timed variant gets a short
+warm-up call first (JIT build of the kernels, cuDNN autotuning and allocator growth stay out of the timing), and
+CUDA is synchronized around every timed call. PSNR is over the [0, 1] float images, peak 1.0; identical images
+give inf. The PNGs go to ``--output-dir``; ``--json PATH`` appends one JSON object per run (JSON Lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import (AutoencoderKL, DDIMScheduler, DiffusionPipeline, StableDiffusionPipeline,
+                       StableDiffusionXLPipeline, UNet2DConditionModel)
+
+# Run from a checkout without installing: the repository root holds the gn_patch package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gn_patch import configs  # noqa: E402
+from gn_patch.pipeline import patch_pipeline  # noqa: E402
+
+PROMPT_TOKENS = 77  # CLIP's context length
+WARMUP_STEPS = 2
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# arch -> (UNet config, VAE config, prompt embedding width, pooled embedding width or None) for random weights
+ARCHS = {
+    "sd15": (configs.SD15_UNET, configs.SD_VAE, 768, None),
+    "sdxl": (configs.SDXL_UNET, configs.SDXL_VAE, 2048, 1280),
+}
+TINY_ARCHS = {  # --tiny (CI): the same structures, a few hundred thousand parameters
+    "sd15": (configs.TINY_SD15_UNET, configs.TINY_VAE, 32, None),
+    "sdxl": (configs.TINY_SDXL_UNET, configs.TINY_VAE, 64, 32),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", help="diffusers SD1.x/SDXL folder or hub id (default: random weights, --arch)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="sd15", help="architecture without --model")
+    parser.add_argument("--prompt", default="a photograph of an astronaut riding a horse",
+                        help="prompt, with --model (random weights take random prompt embeddings)")
+    parser.add_argument("--steps", type=int, default=30, help="denoising steps of the timed runs")
+    parser.add_argument("--height", type=int, help="image height (default: the model's native size)")
+    parser.add_argument("--width", type=int, help="image width (default: the model's native size)")
+    parser.add_argument("--batch-size", type=int, default=1, help="images per prompt")
+    parser.add_argument("--guidance-scale", type=float, default=7.5)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="stock and patched dtype "
+                                                               "(default: float16 on CUDA, float32 on CPU)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, embeddings and diffusion noise")
+    parser.add_argument("--check-fp32", action="store_true",
+                        help="also run stock in float32 and report each image's PSNR against it")
+    parser.add_argument("--output-dir", type=Path, default=Path("txt2img_out"), help="where the PNGs go")
+    parser.add_argument("--json", type=Path, help="append the result as one JSON line to this file")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny random models, for CI
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        parser.error("--steps and --batch-size must be at least 1")
+    if args.tiny and args.model:
+        parser.error("--tiny builds random models: it takes no --model")
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = DTYPES[args.dtype or ("float16" if args.device.type == "cuda" else "float32")]
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline and its inputs
+# ------------------------------------------------------------------------------------------------
+def random_pipeline(arch: str, tiny: bool, seed: int) -> DiffusionPipeline:
+    """SD1.5 or SDXL architecture, float32 random weights, no tokenizer or text encoder (prompts come as embeddings)."""
+    unet_config, vae_config, _, _ = (TINY_ARCHS if tiny else ARCHS)[arch]
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**unet_config).eval()
+    vae = AutoencoderKL(**vae_config).eval()
+    scheduler = DDIMScheduler(**configs.SCHEDULER)
+    if arch == "sd15":
+        return StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    return StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                     tokenizer_2=None, unet=unet, scheduler=scheduler, add_watermarker=False)
+
+
+def random_prompt_kwargs(arch: str, tiny: bool, batch: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random float32 prompt (and negative prompt) embeddings, (batch, 77, width), plus SDXL's pooled ones."""
+    _, _, width, pooled_width = (TINY_ARCHS if tiny else ARCHS)[arch]
+    generator = torch.Generator().manual_seed(seed + 1)
+    kwargs = {name: torch.randn(batch, PROMPT_TOKENS, width, generator=generator)
+              for name in ("prompt_embeds", "negative_prompt_embeds")}
+    if pooled_width is not None:
+        kwargs.update({name: torch.randn(batch, pooled_width, generator=generator)
+                       for name in ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")})
+    return kwargs
+
+
+def load_pipeline(args: argparse.Namespace) -> tuple[DiffusionPipeline, dict]:
+    """The pipeline (float32 when a reference run follows, else --dtype) on --device and its prompt kwargs."""
+    if args.model:
+        load_dtype = torch.float32 if args.check_fp32 else args.dtype
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=load_dtype)
+        if not isinstance(pipe, (StableDiffusionPipeline, StableDiffusionXLPipeline)):
+            raise SystemExit(f"{args.model} is a {type(pipe).__name__}; this example runs SD1.x and SDXL pipelines")
+        # Safety checker and watermark would alter images for reasons unrelated to the GroupNorm under test.
+        if isinstance(pipe, StableDiffusionPipeline):
+            pipe.safety_checker = None
+        else:
+            pipe.watermark = None
+        prompt_kwargs = dict(prompt=args.prompt, negative_prompt="")
+    else:
+        pipe = random_pipeline(args.arch, args.tiny, args.seed)
+        prompt_kwargs = random_prompt_kwargs(args.arch, args.tiny, args.batch_size, args.seed)
+        if not args.check_fp32:
+            pipe.to(dtype=args.dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(args.device), prompt_kwargs
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs and measurements
+# ------------------------------------------------------------------------------------------------
+def generate(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace, steps: int) -> np.ndarray:
+    """Images as float32 (batch, height, width, 3) in [0, 1]; the diffusion noise is seeded by --seed."""
+    dtype = pipe.unet.dtype
+    kwargs = {k: v.to(args.device, dtype) if isinstance(v, torch.Tensor) else v for k, v in prompt_kwargs.items()}
+    if "prompt" in kwargs:
+        kwargs["num_images_per_prompt"] = args.batch_size
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    images = pipe(**kwargs, num_inference_steps=steps, guidance_scale=args.guidance_scale, height=args.height,
+                  width=args.width, generator=generator, output_type="np").images
+    if not np.isfinite(images).all():
+        raise SystemExit(f"non-finite pixels in a {dtype} image: the comparison would be meaningless")
+    return images.astype(np.float32)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace) -> tuple[np.ndarray, float]:
+    """One warm-up call with a few steps, then the timed call with --steps. Returns (images, seconds)."""
+    generate(pipe, prompt_kwargs, args, min(WARMUP_STEPS, args.steps))
+    synchronize(args.device)
+    start = time.perf_counter()
+    images = generate(pipe, prompt_kwargs, args, args.steps)
+    synchronize(args.device)
+    return images, time.perf_counter() - start
+
+
+def psnr(images: np.ndarray, reference: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of [0, 1] images against a reference (peak 1.0); inf when identical."""
+    mse = float(np.mean((images.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return math.inf if mse == 0.0 else 10.0 * math.log10(1.0 / mse)
+
+
+def save_pngs(images: np.ndarray, output_dir: Path, variant: str) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for index, image in enumerate(DiffusionPipeline.numpy_to_pil(images)):
+        image.save(output_dir / f"{variant}_{index}.png")
+
+
+def git_commit() -> str:
+    """HEAD of the repository holding this script, or "unknown" (no git, no commit, not a checkout)."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return result.stdout.strip() if result.returncode == 0 else "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison; returns the result dict also appended to --json."""
+    args = parse_args(argv)
+    pipe, prompt_kwargs = load_pipeline(args)
+
+    reference = None
+    if args.check_fp32:
+        reference = generate(pipe, prompt_kwargs, args, args.steps)
+        save_pngs(reference, args.output_dir, "fp32")
+        pipe.to(dtype=args.dtype)
+
+    stock, stock_s = timed_generate(pipe, prompt_kwargs, args)
+    save_pngs(stock, args.output_dir, "stock")
+    report = patch_pipeline(pipe)
+    patched, patched_s = timed_generate(pipe, prompt_kwargs, args)
+    save_pngs(patched, args.output_dir, "patched")
+
+    height, width = stock.shape[1:3]
+    result = dict(
+        arch="sdxl" if isinstance(pipe, StableDiffusionXLPipeline) else "sd15", model=args.model,
+        height=height, width=width, steps=args.steps, batch_size=args.batch_size, dtype=str(args.dtype),
+        device=str(args.device),
+        stock_s=stock_s, patched_s=patched_s,
+        psnr_patched_vs_stock_db=psnr(patched, stock),
+        psnr_patched_vs_fp32_db=psnr(patched, reference) if reference is not None else None,
+        psnr_stock_vs_fp32_db=psnr(stock, reference) if reference is not None else None,
+        commit=git_commit(),
+    )
+    print(report)
+    print(f"{args.model or 'random ' + result['arch']}: {height}x{width}, {args.steps} steps, batch "
+          f"{args.batch_size}, {args.dtype}, {args.device}")
+    print(f"stock   {stock_s:8.3f} s\npatched {patched_s:8.3f} s\nspeedup {stock_s / patched_s:8.3f}x")
+    print(f"PSNR patched vs stock: {result['psnr_patched_vs_stock_db']:.2f} dB")
+    if reference is not None:
+        print(f"PSNR vs float32 stock: patched {result['psnr_patched_vs_fp32_db']:.2f} dB, "
+              f"stock {result['psnr_stock_vs_fp32_db']:.2f} dB")
+    print(f"images in {args.output_dir}")
+    if args.json:
+        with args.json.open("a") as file:
+            file.write(json.dumps(result) + "\n")  # identical images: psnr inf, written as Infinity
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,575 @@
+"""patch_model / unpatch_model: patched outputs equal stock ones, checkpoints are unchanged, patching is idempotent
+and reversible, the report says what was and was not fused. CPU tests in float32; ``gpu`` tests check float16 and
+bfloat16 accuracy of the full-size models on CUDA against a float32 reference."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections import Counter, OrderedDict
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel, UNet2DModel
+from diffusers.models.attention_processor import Attention, SpatialNorm
+from diffusers.models.autoencoders.vae import Decoder
+from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+from diffusers.models.normalization import AdaGroupNorm
+from diffusers.models.resnet import ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gn_patch import GroupNormAct, configs, surgeon
+from gn_patch.surgeon import PatchReport, patch_model, unpatch_model
+from .tiny_models import (assert_same_outputs, controlnet_inputs, make_model, outputs, perturb_, randn, rel_l2,
+                         sd15_unet_inputs, sdxl_unet_inputs, svd_unet_inputs, tiny_controlnet, tiny_sd15_unet,
+                         tiny_sdxl_unet, tiny_svd_unet, tiny_vae)
+
+
+@torch.no_grad()
+def patched_matches(model: nn.Module, run, tol: float = 1e-5, **patch_kwargs):
+    """Patch a copy of ``model``; assert ``run(copy)`` matches ``run(model)``. Returns (copy, report)."""
+    expected = run(model)
+    patched = copy.deepcopy(model)
+    report = patch_model(patched, **patch_kwargs)
+    assert_same_outputs(run(patched), expected, tol)
+    return patched, report
+
+
+def kinds(entries) -> Counter:
+    return Counter(kind for _, kind in entries)
+
+
+def module_types(model: nn.Module) -> dict[str, type]:
+    return {name: type(module) for name, module in model.named_modules()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Blocks
+# ------------------------------------------------------------------------------------------------
+RESNET_CASES = {
+    "default": dict(),
+    "scale_shift": dict(time_embedding_norm="scale_shift"),
+    "up_conv_shortcut": dict(out_channels=16, up=True),
+    "up_fir": dict(up=True, kernel="fir"),
+    "down": dict(down=True, use_in_shortcut=True),
+    "down_sde_vp": dict(down=True, kernel="sde_vp"),
+    "skip_time_act_scale_groups_out": dict(out_channels=48, groups_out=4, skip_time_act=True, output_scale_factor=2.0),
+    "no_temb": dict(temb_channels=None),
+    "gelu": dict(non_linearity="gelu"),
+    "relu": dict(non_linearity="relu"),
+}
+
+
+def make_resnet(seed: int = 0, **kwargs) -> ResnetBlock2D:
+    return make_model(ResnetBlock2D, dict(dict(in_channels=32, temb_channels=16, groups=8), **kwargs), seed)
+
+
+def run_resnet(block: ResnetBlock2D, batch: int = 2):
+    temb = randn(batch, 16, seed=1) if block.time_emb_proj is not None else None
+    return lambda m: m(randn(batch, 32, 8, 8), temb)
+
+
+@pytest.mark.parametrize("case", RESNET_CASES)
+def test_resnet_block_2d(case):
+    block = make_resnet(**RESNET_CASES[case])
+    patched, report = patched_matches(block, run_resnet(block))
+    assert type(patched) is surgeon._FusedResnetBlock2D and isinstance(patched, ResnetBlock2D)
+    assert isinstance(patched.norm1, GroupNormAct) and patched.norm1.activation == surgeon._activation_name(
+        block.nonlinearity)
+    if case == "scale_shift":
+        assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 1}
+        assert type(patched.norm2) is nn.GroupNorm
+        assert [name for name, _ in report.skipped] == ["norm2"] and "scale_shift" in report.skipped[0][1]
+    else:
+        assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 1, "ResnetBlock2D.norm2+act": 1}
+        assert report.skipped == []
+
+
+def test_resnet_block_2d_upsample_large_batch():
+    """Batches of 64+ take diffusers' contiguous() detour before upsampling."""
+    block = make_resnet(up=True)
+    patched, _ = patched_matches(block, run_resnet(block, batch=64))
+    assert patched.norm1.activation == "silu"
+
+
+@pytest.mark.parametrize("case", ["default", "scale_shift"])
+def test_patched_forward_uses_the_fused_activation(case):
+    """The output depends on norm1's (and norm2's) activation: the patched forward does not apply the block's
+    nonlinearity after a fused norm. Guards the equality tests against a forward that ignores the fusion."""
+    block = make_resnet(**RESNET_CASES[case])
+    run = run_resnet(block)
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    fused = [patched.norm1] + ([patched.norm2] if case == "default" else [])
+    with torch.no_grad():
+        expected = run(block)
+        for norm in fused:
+            norm.activation = "identity"
+            assert rel_l2(run(patched), expected) > 1e-3
+            norm.activation = "silu"
+            assert rel_l2(run(patched), expected) < 1e-6
+
+
+def test_resnet_block_2d_training_gradients():
+    """In training mode (diffusers' contiguous() before conv_shortcut) forward and gradients match."""
+    block = make_resnet(out_channels=48).train()
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    grads = []
+    for model in (block, patched):
+        x = randn(2, 32, 8, 8).requires_grad_()
+        out = model(x, randn(2, 16, seed=1))
+        (out * randn(*out.shape, seed=2)).sum().backward()
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+    for actual, expected in zip(grads[1], grads[0]):
+        assert rel_l2(actual, expected) < 1e-5
+
+
+def test_unsupported_nonlinearity_is_skipped():
+    block = make_resnet(non_linearity="mish")
+    patched, report = patched_matches(block, run_resnet(block))
+    assert type(patched) is ResnetBlock2D and type(patched.norm1) is nn.GroupNorm
+    assert report.patched == [] and [name for name, _ in report.skipped] == ["norm1", "norm2"]
+    assert all("Mish" in reason for _, reason in report.skipped)
+
+
+def test_temporal_resnet_block_5d():
+    block = make_model(TemporalResnetBlock, dict(in_channels=64, out_channels=64, temb_channels=16))
+    patched, report = patched_matches(block, lambda m: m(randn(2, 64, 3, 4, 4), randn(2, 3, 16, seed=1)))
+    assert kinds(report.patched) == {"TemporalResnetBlock.norm1+act": 1, "TemporalResnetBlock.norm2+act": 1}
+    assert type(patched) is surgeon._FusedTemporalResnetBlock
+
+
+def test_unet_mid_block_2d():
+    block = make_model(UNetMidBlock2D, dict(in_channels=32, temb_channels=16, resnet_groups=8, attention_head_dim=8))
+    _, report = patched_matches(block, lambda m: m(randn(2, 32, 8, 8), randn(2, 16, seed=1)))
+    assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 2, "ResnetBlock2D.norm2+act": 2,
+                                     "attention.group_norm": 1}
+    assert report.skipped == []
+
+
+def test_attention_group_norm():
+    attention = make_model(Attention, dict(query_dim=32, heads=2, dim_head=16, norm_num_groups=8, bias=True,
+                                           residual_connection=True, upcast_softmax=True,
+                                           _from_deprecated_attn_block=True))
+    patched, report = patched_matches(attention, lambda m: m(randn(2, 32, 4, 4)))
+    assert report.patched == [("group_norm", "attention.group_norm")]
+    assert patched.group_norm.activation == "identity"
+
+
+def test_transformer_2d_norm():
+    transformer = make_model(Transformer2DModel, dict(num_attention_heads=2, attention_head_dim=8, in_channels=16,
+                                                      norm_num_groups=4, cross_attention_dim=16))
+    _, report = patched_matches(transformer, lambda m: m(randn(2, 16, 4, 4), encoder_hidden_states=randn(2, 5, 16)))
+    assert report.patched == [("norm", "Transformer2DModel.norm")]
+
+
+def test_sequential_pairs():
+    seq = perturb_(nn.Sequential(
+        nn.GroupNorm(4, 16), nn.SiLU(), nn.Conv2d(16, 16, 3, padding=1),
+        nn.GroupNorm(4, 16), nn.GELU(approximate="tanh"),
+        nn.GroupNorm(4, 16), nn.GELU(),
+        nn.GroupNorm(4, 16), nn.ReLU(inplace=True),
+        nn.GroupNorm(4, 16), nn.Mish(),
+        nn.GroupNorm(4, 16), nn.Conv2d(16, 16, 1),
+        nn.GroupNorm(4, 16),
+    ))
+    patched, report = patched_matches(seq, lambda m: m(randn(2, 16, 6, 6)))
+    assert report.patched == [(str(i), "Sequential(GroupNorm, act)") for i in (0, 3, 5, 7)]
+    assert [patched[i].activation for i in (0, 3, 5, 7)] == ["silu", "gelu_tanh", "gelu", "relu"]
+    assert [name for name, _ in report.skipped] == ["9", "11", "13"]
+    assert "Mish" in report.skipped[0][1] and "Conv2d" in report.skipped[1][1]
+    assert "does not know what follows" in report.skipped[2][1]
+
+
+def test_sequential_with_named_items():
+    seq = perturb_(nn.Sequential(OrderedDict(norm=nn.GroupNorm(2, 8), act=nn.SiLU(), conv=nn.Conv2d(8, 4, 1))))
+    patched, report = patched_matches(seq, lambda m: m(randn(2, 8, 4, 4)))
+    assert report.patched == [("norm", "Sequential(GroupNorm, act)")]
+    assert list(dict(patched.named_children())) == ["norm", "act", "conv"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole models
+# ------------------------------------------------------------------------------------------------
+def test_sd15_unet():
+    unet = tiny_sd15_unet()
+    patched, report = patched_matches(unet, lambda m: m(**sd15_unet_inputs()))
+    assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 8, "ResnetBlock2D.norm2+act": 8,
+                                     "Transformer2DModel.norm": 4, "conv_norm_out+conv_act": 1}
+    assert report.skipped == [] and report.already_patched == []
+    assert report.channels_last == sum(1 for m in unet.modules() if isinstance(m, nn.Conv2d)
+                                       and m.kernel_size != (1, 1))
+    assert isinstance(patched.conv_act, nn.Identity)
+    assert patched.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_sdxl_unet_text_time():
+    unet = tiny_sdxl_unet()
+    _, report = patched_matches(unet, lambda m: m(**sdxl_unet_inputs()))
+    assert report.counts["Transformer2DModel.norm"] == 4 and report.counts["conv_norm_out+conv_act"] == 1
+    assert report.skipped == []
+
+
+@pytest.mark.parametrize("time_scale_shift", ["default", "scale_shift"])
+def test_unet_2d_model(time_scale_shift):
+    unet = make_model(UNet2DModel, dict(sample_size=16, block_out_channels=(32, 64), layers_per_block=1,
+                                        norm_num_groups=8, attention_head_dim=8,
+                                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                                        resnet_time_scale_shift=time_scale_shift))
+    _, report = patched_matches(unet, lambda m: m(randn(2, 3, 16, 16), torch.tensor([3, 900])))
+    resnets = sum(isinstance(m, ResnetBlock2D) for m in unet.modules())
+    assert report.counts["ResnetBlock2D.norm1+act"] == resnets
+    assert report.counts["conv_norm_out+conv_act"] == 1
+    if time_scale_shift == "default":
+        assert report.counts["ResnetBlock2D.norm2+act"] == resnets and report.skipped == []
+    else:
+        assert "ResnetBlock2D.norm2+act" not in report.counts and len(report.skipped) == resnets
+
+
+def test_autoencoder_kl_encode_decode():
+    vae = tiny_vae()
+    _, report = patched_matches(vae, lambda m: m.encode(randn(2, 3, 32, 32)).latent_dist)
+    assert report.counts["conv_norm_out+conv_act"] == 2  # encoder and decoder
+    assert report.counts["attention.group_norm"] == 2  # their mid blocks
+    assert report.skipped == []
+    patched_matches(vae, lambda m: m.decode(randn(2, 4, 16, 16)).sample)
+
+
+def test_controlnet():
+    controlnet = tiny_controlnet()
+    _, report = patched_matches(controlnet, lambda m: m(**controlnet_inputs()))
+    resnets = sum(isinstance(m, ResnetBlock2D) for m in controlnet.modules())
+    assert report.counts["ResnetBlock2D.norm2+act"] == resnets and report.skipped == []
+
+
+def test_multi_controlnet():
+    multi = MultiControlNetModel([tiny_controlnet(), make_model(ControlNetModel, configs.TINY_CONTROLNET, seed=1)])
+    inputs = controlnet_inputs()
+    cond = inputs.pop("controlnet_cond")
+    del inputs["conditioning_scale"]
+    # return_dict=False as pipelines call it: with True, MultiControlNetModel (0.42.1) unpacks each net's output
+    # dict into its key names.
+    _, report = patched_matches(multi, lambda m: m(**inputs, controlnet_cond=[cond, cond.flip(0)],
+                                                   conditioning_scale=[0.5, 1.0], return_dict=False))
+    per_net = Counter(name.split(".")[1] for name, _ in report.patched)
+    assert per_net == {"0": per_net["0"], "1": per_net["0"]} and per_net["0"] > 0
+
+
+def test_spatio_temporal_unet_conv3d_left_alone():
+    unet = tiny_svd_unet()
+    conv3d = [m.weight for m in unet.modules() if isinstance(m, nn.Conv3d)]
+    assert conv3d
+    strides = [w.stride() for w in conv3d]
+    patched, report = patched_matches(unet, lambda m: m(**svd_unet_inputs()))
+    assert report.counts["TemporalResnetBlock.norm1+act"] >= 1 and report.counts["conv_norm_out+conv_act"] == 1
+    patched_conv3d = [m.weight for m in patched.modules() if isinstance(m, nn.Conv3d)]
+    assert [w.stride() for w in patched_conv3d] == strides
+    assert all(w.is_contiguous() for w in patched_conv3d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints, idempotence, reversibility
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [tiny_sd15_unet, tiny_vae])
+def test_state_dict_unchanged_and_loads_both_ways(make):
+    stock = make()
+    patched = copy.deepcopy(stock)
+    patch_model(patched)
+    stock_sd, patched_sd = stock.state_dict(), patched.state_dict()
+    assert list(stock_sd) == list(patched_sd)
+    assert all(stock_sd[k].shape == patched_sd[k].shape and torch.equal(stock_sd[k], patched_sd[k])
+               for k in stock_sd)
+    other = make_model(type(stock), dict(stock.config), seed=5)
+    patch_model(other)
+    other.load_state_dict(stock_sd, strict=True)
+    assert all(torch.equal(v, stock_sd[k]) for k, v in other.state_dict().items())
+    fresh = make_model(type(stock), dict(stock.config), seed=6)
+    fresh.load_state_dict(patched_sd, strict=True)
+    assert all(torch.equal(v, stock_sd[k]) for k, v in fresh.state_dict().items())
+
+
+def test_save_pretrained_loads_into_stock_diffusers(tmp_path):
+    stock = tiny_sd15_unet()
+    patched = copy.deepcopy(stock)
+    patch_model(patched)
+    patched.save_pretrained(tmp_path)
+    loaded = UNet2DConditionModel.from_pretrained(tmp_path).eval()
+    assert module_types(loaded) == module_types(stock)
+    with torch.no_grad():
+        assert torch.equal(loaded(**sd15_unet_inputs()).sample, stock(**sd15_unet_inputs()).sample)
+
+
+def test_patching_twice_changes_nothing_more():
+    unet = tiny_sd15_unet()
+    patched, first = patched_matches(unet, lambda m: m(**sd15_unet_inputs()))
+    types_after_first = module_types(patched)
+    second = patch_model(patched)
+    assert second.patched == [] and second.channels_last == 0 and second.skipped == first.skipped
+    assert second.already_patched == first.patched
+    assert module_types(patched) == types_after_first
+    patched_matches(unet, lambda m: m(**sd15_unet_inputs()))
+
+
+@pytest.mark.parametrize("make,run", [(tiny_sd15_unet, lambda m: m(**sd15_unet_inputs()).sample),
+                                      (tiny_vae, lambda m: m(randn(1, 3, 32, 32)).sample),
+                                      (tiny_svd_unet, lambda m: m(**svd_unet_inputs()).sample)])
+def test_unpatch_restores_stock(make, run):
+    stock = make()
+    patched = copy.deepcopy(stock)
+    patch_model(patched)
+    assert unpatch_model(patched) > 0
+    assert module_types(patched) == module_types(stock)
+    assert not any("forward" in vars(m) for m in patched.modules())
+    assert all(m.weight.is_contiguous() for m in patched.modules() if isinstance(m, nn.Conv2d))
+    assert not hasattr(patched, surgeon._LAYOUT_FLAG)
+    with torch.no_grad():
+        assert torch.equal(run(patched), run(stock))  # the very same computation again
+    assert unpatch_model(patched) == 0
+
+
+def test_layout_of_a_channels_last_model_is_kept():
+    unet = tiny_sd15_unet().to(memory_format=torch.channels_last)
+    report = patch_model(unet)
+    assert report.channels_last == 0
+    unpatch_model(unet)
+    assert unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not unet.conv_in.weight.is_contiguous()
+
+
+def test_channels_last_off():
+    unet = tiny_sd15_unet()
+    report = patch_model(unet, channels_last=False)
+    assert report.channels_last == 0 and report.counts
+    assert all(m.weight.is_contiguous() for m in unet.modules() if isinstance(m, nn.Conv2d))
+
+
+def test_deepcopy_and_pickle_of_a_patched_model():
+    unet = tiny_sd15_unet()
+    patched, _ = patched_matches(unet, lambda m: m(**sd15_unet_inputs()))
+    for clone in (copy.deepcopy(patched), pickle.loads(pickle.dumps(patched))):
+        assert module_types(clone) == module_types(patched)
+        with torch.no_grad():
+            assert torch.equal(clone(**sd15_unet_inputs()).sample, patched(**sd15_unet_inputs()).sample)
+
+
+def test_fused_group_norm_has_the_state_of_a_group_norm_act():
+    """The in-place conversion gives exactly the attributes GroupNormAct's constructor gives."""
+    seq = nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU())
+    patch_model(seq)
+    reference = GroupNormAct.from_group_norm(nn.GroupNorm(2, 8), "silu")
+    assert set(vars(seq[0])) == set(vars(reference))
+    assert seq[0].extra_repr() == reference.extra_repr()
+
+
+# ------------------------------------------------------------------------------------------------
+# What stays unfused, and the report
+# ------------------------------------------------------------------------------------------------
+class Mixed(nn.Module):
+    """Conditional norms next to a plain block, and a GroupNorm whose use the surgeon cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cond_block = ResnetBlockCondNorm2D(in_channels=32, temb_channels=8, groups=8,
+                                                time_embedding_norm="ada_group")
+        self.ada_norm = AdaGroupNorm(8, 32, num_groups=8, act_fn="silu")
+        self.spatial_norm = SpatialNorm(32, 4)
+        self.block = ResnetBlock2D(in_channels=32, temb_channels=8, groups=8)
+        self.loose_norm = nn.GroupNorm(8, 32)
+
+    def forward(self, x, emb, zq):
+        x = self.cond_block(x, emb)
+        x = self.ada_norm(x, emb)
+        x = self.spatial_norm(x, zq)
+        x = self.block(x, emb)
+        return torch.tanh(self.loose_norm(x))
+
+
+def test_unfusable_modules_are_listed_with_reasons():
+    model = make_model(Mixed, {})
+    _, report = patched_matches(model, lambda m: m(randn(2, 32, 8, 8), randn(2, 8, seed=1), randn(2, 4, 4, 4)))
+    reasons = dict(report.skipped)
+    assert list(reasons) == ["cond_block", "ada_norm", "spatial_norm", "loose_norm"]
+    assert "ResnetBlockCondNorm2D" in reasons["cond_block"]
+    assert "AdaGroupNorm" in reasons["ada_norm"]
+    assert "SpatialNorm" in reasons["spatial_norm"]
+    assert "does not know what follows this GroupNorm in Mixed" in reasons["loose_norm"]
+    assert report.patched == [("block.norm1", "ResnetBlock2D.norm1+act"), ("block.norm2", "ResnetBlock2D.norm2+act")]
+    text = str(report)
+    assert "fused 2 GroupNorm(s)" in text and "loose_norm: " in text and "ResnetBlock2D.norm1+act" in text
+
+
+def test_spatial_norm_mid_block_and_decoder():
+    block = make_model(UNetMidBlock2D, dict(in_channels=32, temb_channels=4, resnet_groups=8, attention_head_dim=8,
+                                            resnet_time_scale_shift="spatial"))
+    _, report = patched_matches(block, lambda m: m(randn(2, 32, 8, 8), randn(2, 4, 4, 4, seed=1)))
+    assert report.patched == []
+    assert [name for name, _ in report.skipped] == ["attentions.0.spatial_norm", "resnets.0", "resnets.1"]
+
+    decoder = make_model(Decoder, dict(in_channels=4, out_channels=3, up_block_types=("UpDecoderBlock2D",) * 2,
+                                       block_out_channels=(32, 32), layers_per_block=1, norm_num_groups=8,
+                                       norm_type="spatial"))
+    _, report = patched_matches(decoder, lambda m: m(randn(1, 4, 8, 8), randn(1, 4, 8, 8, seed=1)))
+    assert ("conv_norm_out", surgeon._UNFUSABLE[SpatialNorm]) in report.skipped
+
+
+def test_group_norm_with_hooks_is_not_fused():
+    block = make_resnet()
+    seen = []
+    block.norm1.register_forward_hook(lambda module, args, output: seen.append(output))
+    patched, report = patched_matches(block, run_resnet(block))
+    assert report.patched == [] and type(patched) is ResnetBlock2D
+    assert all("hooks" in reason for _, reason in report.skipped)
+
+
+def test_hooks_on_the_block_keep_working():
+    block = make_resnet()
+    patched = copy.deepcopy(block)
+    seen = []
+    patched.register_forward_hook(lambda module, args, output: seen.append(output))
+    patch_model(patched)
+    with torch.no_grad():
+        out = run_resnet(block)(patched)
+    assert len(seen) == 1 and seen[0] is out and type(patched) is surgeon._FusedResnetBlock2D
+
+
+def test_shared_group_norm_is_not_fused():
+    norm = nn.GroupNorm(4, 16)
+    model = nn.ModuleDict(dict(seq=nn.Sequential(norm, nn.SiLU()), other=norm))
+    report = patch_model(model)
+    assert report.patched == [] and "several places" in report.skipped[0][1]
+    assert type(norm) is nn.GroupNorm
+
+
+def test_subclassed_block_is_not_fused():
+    class MyBlock(ResnetBlock2D):
+        pass
+
+    block = MyBlock(in_channels=32, temb_channels=16, groups=8)
+    report = patch_model(block)
+    assert report.patched == [] and type(block) is MyBlock
+    assert [name for name, _ in report.skipped] == ["norm1", "norm2"]
+
+
+@pytest.fixture
+def fresh_source_check():
+    surgeon._unverified.cache_clear()
+    yield
+    surgeon._unverified.cache_clear()
+
+
+def test_installed_diffusers_has_the_verified_code(fresh_source_check):
+    assert {cls.__name__: surgeon._unverified(cls) for cls in surgeon._VERIFIED_SOURCES} == {
+        cls.__name__: None for cls in surgeon._VERIFIED_SOURCES}
+
+
+def test_other_diffusers_code_is_not_fused(fresh_source_check, monkeypatch):
+    monkeypatch.setitem(surgeon._VERIFIED_SOURCES, ResnetBlock2D, set())
+    monkeypatch.setitem(surgeon._VERIFIED_SOURCES, UNet2DConditionModel, set())
+    unet = tiny_sd15_unet()
+    _, report = patched_matches(unet, lambda m: m(**sd15_unet_inputs()))
+    assert set(report.counts) == {"Transformer2DModel.norm"}
+    assert all("is not the code the surgeon was checked against" in reason for _, reason in report.skipped)
+    assert len(report.skipped) == 17  # 8 blocks x 2 norms, conv_norm_out
+
+
+def test_report_merge():
+    a = PatchReport(patched=[("conv_norm_out", "conv_norm_out+conv_act")], channels_last=3)
+    b = PatchReport(patched=[("mid.norm1", "ResnetBlock2D.norm1+act")], already_patched=[("n", "k")],
+                    skipped=[("x", "why"), ("", "root")], channels_last=2)
+    merged = a.merge(b, prefix="vae")
+    assert merged.patched == [("conv_norm_out", "conv_norm_out+conv_act"), ("vae.mid.norm1", "ResnetBlock2D.norm1+act")]
+    assert merged.already_patched == [("vae.n", "k")]
+    assert merged.skipped == [("vae.x", "why"), ("vae", "root")]
+    assert merged.channels_last == 5
+    assert merged.counts == {"conv_norm_out+conv_act": 1, "ResnetBlock2D.norm1+act": 1}
+    assert a.patched == [("conv_norm_out", "conv_norm_out+conv_act")]  # merge returns a new report
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: half-precision accuracy of the full-size models (the fused kernels must run)
+# ------------------------------------------------------------------------------------------------
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen/custom ops dispatched inside the ``with`` block, by schema name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gpu_randn(*shape, seed=0):
+    return randn(*shape, seed=seed).cuda()
+
+
+def _unet_inputs(cross_dim: int, batch: int = 2, size: int = 64, sdxl: bool = False) -> dict:
+    inputs = dict(sample=_gpu_randn(batch, 4, size, size), timestep=torch.tensor(500, device="cuda"),
+                  encoder_hidden_states=_gpu_randn(batch, 77, cross_dim, seed=1))
+    if sdxl:
+        time_ids = torch.tensor([[1024.0, 1024.0, 0.0, 0.0, 1024.0, 1024.0]], device="cuda").repeat(batch, 1)
+        inputs["added_cond_kwargs"] = dict(text_embeds=_gpu_randn(batch, 1280, seed=2), time_ids=time_ids)
+    return inputs
+
+
+# name -> (model class, config, function computing the output of a model from inputs cast to a dtype)
+GPU_CASES = {
+    "sd15_unet": (UNet2DConditionModel, configs.SD15_UNET,
+                  lambda m, cast: m(**cast(_unet_inputs(768))).sample),
+    "sdxl_unet": (UNet2DConditionModel, configs.SDXL_UNET,
+                  lambda m, cast: m(**cast(_unet_inputs(2048, sdxl=True))).sample),
+    "sd_vae_decode": (AutoencoderKL, configs.SD_VAE,
+                      lambda m, cast: m.decode(cast(_gpu_randn(1, 4, 64, 64))).sample),
+    "sd_vae_encode": (AutoencoderKL, configs.SD_VAE,
+                      lambda m, cast: m.encode(cast(_gpu_randn(1, 3, 256, 256))).latent_dist.parameters),
+    "controlnet": (ControlNetModel, configs.CONTROLNET,
+                   lambda m, cast: m(**cast(dict(_unet_inputs(768), controlnet_cond=_gpu_randn(2, 3, 512, 512, seed=3)))
+                                     )),
+}
+
+
+def _caster(dtype):
+    def cast(value):
+        if isinstance(value, dict):
+            return {k: cast(v) for k, v in value.items()}
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    return cast
+
+
+@pytest.fixture
+def exact_fp32_reference():
+    """cuDNN convolutions in true float32 (not TF32) for the reference run."""
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = previous
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_half_precision_accuracy_cuda(case, dtype, exact_fp32_reference):
+    """Patched fp16/bf16 output is as close to the float32 stock output as stock fp16/bf16 is (1.5x + slack)."""
+    cls, config, run = GPU_CASES[case]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = perturb_(cls(**config))
+    with torch.no_grad():
+        reference = [t.float() for t in outputs(run(model, _caster(torch.float32)))]
+        model.to(dtype)
+        stock = outputs(run(model, _caster(dtype)))
+        report = patch_model(model)
+        with OpCounter() as counter:
+            patched = outputs(run(model, _caster(dtype)))
+    assert report.patched and report.skipped == []
+    assert counter.calls["gn_patch::group_norm_act"] == len(report.patched)  # every fused norm ran the kernel
+    for p, s, r in zip(patched, stock, reference):
+        stock_error, patched_error = rel_l2(s, r), rel_l2(p, r)
+        assert torch.isfinite(p).all() and torch.isfinite(s).all()
+        assert patched_error <= 1.5 * stock_error + 1e-3, (patched_error, stock_error)

@@ -11,7 +11,7 @@ constexpr int kMaxThreads = 256;      // must match reduce.cuh
 constexpr int64_t kWideTile = 64;     // vectors per tile row: 1 KiB of fp16 per row, fully coalesced
 constexpr int64_t kBlocksPerSm = 8;   // 8 x 256 threads = the SM's 2048-thread limit
 constexpr int64_t kFusedMaxRowsPerThread = 16;
-constexpr int64_t kMinRowsPerThread = 16;  // keeps splits (and finalize work) bounded
+constexpr int64_t kMinRowsPerThread = 4;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -113,8 +113,8 @@ void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& weight, 
                                                     " to be a vector of size equal to the number of channels in input, but got " +
                                                     name + " of shape " + shape_str(t.sizes()) + " and input of shape " +
                                                     shape_str(x.sizes()));
-    TORCH_CHECK(t.device() == x.device(),
-                "gn_patch: " + name + " is on " + t.device().str() + " but input is on " + x.device().str());
+    TORCH_CHECK(t.device() == x.device(), "Expected all tensors to be on the same device, but found input on " +
+                                              x.device().str() + " and " + name + " on " + t.device().str());
     TORCH_CHECK(t.scalar_type() == x.scalar_type() || t.scalar_type() == at::kFloat,
                 "gn_patch: " + name + " must have the input's dtype (" + dtype_str(x.scalar_type()) +
                     ") or float32, got " + dtype_str(t.scalar_type()));

@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
                         help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched")
     parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--commit", help="commit to record (default: `git rev-parse HEAD` of the repository)")
     parser.add_argument("--resolution", type=int, default=512)
     parser.add_argument("--train-batch-size", type=int, default=8, help="per device")
     parser.add_argument("--max-train-steps", type=int, default=50)
@@ -70,8 +71,8 @@ def train(args: argparse.Namespace, extra: list[str], patched: bool) -> dict:
     return json.loads(log_path.read_text())
 
 
-def commit() -> str:
-    """The checked-out commit of the repository, or "unknown" (no git, no commit yet)."""
+def checked_out_commit() -> str:
+    """The checked-out commit of the repository, or "unknown" (no git, no commit yet, a copy without .git)."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
@@ -79,7 +80,7 @@ def commit() -> str:
     return out.stdout.strip()
 
 
-def summarize(stock: dict, patched: dict) -> dict:
+def summarize(stock: dict, patched: dict, commit: str) -> dict:
     """The result record of a stock and a patched run of the same configuration."""
     shared = {key: value for key, value in stock["config"].items() if key not in PER_RUN_KEYS}
     differing = [key for key, value in shared.items() if patched["config"].get(key) != value]
@@ -98,13 +99,14 @@ def summarize(stock: dict, patched: dict) -> dict:
         f"max_loss_diff_first_{COMPARED_STEPS}_steps": max(abs(a - b) for a, b in first),
         "stock_losses": stock["losses"],
         "patched_losses": patched["losses"],
-        "commit": commit(),
+        "commit": commit,
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
-    result = summarize(train(args, extra, patched=False), train(args, extra, patched=True))
+    stock, patched = train(args, extra, patched=False), train(args, extra, patched=True)
+    result = summarize(stock, patched, args.commit or checked_out_commit())
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"stock {result['stock_samples_per_s']:.2f} samples/s, patched {result['patched_samples_per_s']:.2f} "

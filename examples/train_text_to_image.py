@@ -186,7 +186,8 @@ class ImageFolderDataset(Dataset):
         elif self.input_ids is not None:
             item["input_ids"] = self.input_ids[index]
         else:
-            item["prompt_embeds"] = torch.randn(self.embed_shape, generator=seeded_generator(self.seed, DATA_STREAM, index))
+            gen = seeded_generator(self.seed, DATA_STREAM, index)
+            item["prompt_embeds"] = torch.randn(self.embed_shape, generator=gen)
         return item
 
 

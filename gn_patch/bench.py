@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -628,13 +629,16 @@ class KernelBench:
         fits_l2 = x_bytes <= self.l2_bytes
         times = CellTimes()
         self._time("copy", times, lambda: self._copy_floor(bytes_moved(ks.numel, element_size, pass_), dtype))
-        pool = RotationPool(ks.shape, dtype, n_sets, backward)
-        for name, layout, op, skip_reason in self.methods(ks, dtype_name):
-            if skip_reason:
-                times.errors[name] = skip_reason
-                continue
-            self._time(name, times, lambda: self._method(pool, name, layout, op, fits_l2))
-        del pool
+        try:
+            pool = RotationPool(ks.shape, dtype, n_sets, backward)
+            for name, layout, op, skip_reason in self.methods(ks, dtype_name):
+                if skip_reason:
+                    times.errors[name] = skip_reason
+                    continue
+                self._time(name, times, lambda: self._method(pool, name, layout, op, fits_l2))
+        except Exception as exc:  # noqa: BLE001 - a failure outside the methods (inputs): the row says so
+            times.errors["cell"] = describe_error(exc)
+        pool = None
         _free_memory()
         return kernel_row(ks, dtype_name, pass_, element_size, n_sets, fits_l2, times)
 
@@ -690,21 +694,23 @@ def kernel_notes(settings: Settings, l2_bytes: int) -> dict:
                     "marked dynamic (torch._dynamo.maybe_mark_dynamic): one compiled function serves all shapes, "
                     "recompiled only for dtype, grad mode, eps, rank and dynamo's specialisation of size-1 dims "
                     "(batch 1). compile_static_cl: torch.compile(dynamic=False), one compile per shape, float16 only, "
-                    f"for the top-traffic shape of {', '.join(STATIC_COMPILE_SOURCES)}: what shape specialisation buys.")
+                    f"for the top-traffic shape of {', '.join(STATIC_COMPILE_SOURCES)}: what shape specialisation "
+                    "buys.")
     return {
         "rows": "one per distinct (shape, num_groups) of the GroupNorm calls the source models make (forward "
                 "pre-hooks on every nn.GroupNorm); calls differing only in eps share a row (eps_seen) and are "
                 "timed with the first eps; calls = calls per model call",
         "methods": "gn_patch: gn_patch.group_norm_act(x, activation='silu') on channels_last x. torch_nchw: "
                    "F.silu(F.group_norm(x)) on contiguous NCHW x. torch_cl: the same on channels_last x (PyTorch's "
-                   "CUDA GroupNorm makes x contiguous and returns NCHW; converting back, which the next "
-                   "channels_last conv pays, is not counted). 3-D (N, C, L) inputs: channels_last = channel stride 1. "
+                   "CUDA GroupNorm makes x contiguous and returns NCHW; converting y back, which the next "
+                   "channels_last conv pays, is not counted; in fwd+bwd autograd copies dx back to x's layout, which "
+                   "is). 3-D (N, C, L) inputs: channels_last = channel stride 1. "
                    + (compile_note if settings.compile_kernels else "compile columns: not run (--quick)."),
         "gpu_time": "*_us: GPU time per call. The calls of one pass over the rotation pool are captured in a CUDA "
                     f"graph and replayed >= 5 times (about {settings.graph_ms:g} ms of GPU time): median replay time "
                     "(CUDA events) / calls per graph. Warm-up calls excluded. timing says 'graph', or 'events' where "
                     "capture failed and CUDA events timed the eager loop.",
-        "wall_time": "*_wall_us, only for x that fits in L2 (launch-bound sizes): host clock around "
+        "wall_time": "*_wall_us, only where x fits in L2 (the sizes where launches can dominate): host clock around "
                      f"{WALL_MIN_CALLS}-{WALL_MAX_CALLS} eager calls plus torch.cuda.synchronize(), per call, median "
                      f"of {settings.wall_rounds} rounds: what an eager caller pays.",
         "rotation": f"x (and dy for fwd+bwd) rotate over rotation_sets distinct tensors holding >= "
@@ -1092,7 +1098,7 @@ def render_kernels(doc: dict) -> str:
     rows, notes = doc["rows"], doc["metadata"].get("notes", {})
     parts = ["## Kernel table: GroupNorm + SiLU", "", *(f"- **{k}**: {v}" for k, v in notes.items()), ""]
     headers = ["shape", "G", "sources", "copy µs", "gn_patch µs", "NCHW µs", "CL µs", "compile µs",
-               "compile static µs", "GB/s", "x copy", "vs NCHW", "vs CL", "vs compile",
+               "compile static µs", "GB/s", "time/copy", "vs NCHW", "vs CL", "vs compile",
                "wall µs gn_patch / NCHW / CL / compile"]
     for dtype in DTYPES:
         for pass_ in PASSES:
@@ -1127,7 +1133,8 @@ def model_totals(rows: list[dict]) -> list[dict]:
                 selected = [r for r in rows if source in r["calls"] and r["dtype"] == dtype and r["pass"] == pass_]
                 if not selected:
                     continue
-                entry = {"source": source, "dtype": dtype, "pass": pass_, "calls": sum(r["calls"][source] for r in selected)}
+                entry = {"source": source, "dtype": dtype, "pass": pass_,
+                         "calls": sum(r["calls"][source] for r in selected)}
                 for method in ("copy", *KERNEL_METHODS[:4]):
                     values = [r[f"{method}_us"] for r in selected]
                     entry[method] = (None if any(v is None for v in values)
@@ -1341,7 +1348,10 @@ def main(argv: list[str] | None = None) -> int:
     for section in SECTIONS:
         if section in args.only:
             section_start = time.perf_counter()
-            runners[section]()
+            try:
+                runners[section]()
+            except Exception:  # noqa: BLE001 - the rows written so far stay; the other sections still run
+                traceback.print_exc()
             write_report(args.out)  # after every section, so that a later timeout still leaves a summary
             print(f"== {section}: {time.perf_counter() - section_start:.0f} s", flush=True)
     print(console_summary(args.out))

@@ -10,13 +10,13 @@ from gn_patch.ops import ACTIVATIONS
 
 def reference(x, num_groups, weight, bias, eps, activation):
     """act(F.group_norm(...)) computed in float64 on upcast copies of the inputs."""
-    up = lambda t: None if t is None else t.detach().double()
+    up = lambda t: None if t is None else t.detach().double().contiguous()
     return ACTIVATIONS[activation](F.group_norm(up(x), num_groups, up(weight), up(bias), eps))
 
 
 def reference_grads(x, num_groups, weight, bias, eps, activation, grad_out):
     """(dx, dweight, dbias) of the float64 reference for the upstream gradient grad_out."""
-    leaves = [t.detach().double().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
+    leaves = [t.detach().double().contiguous().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
     y = ACTIVATIONS[activation](F.group_norm(leaves[0], num_groups, leaves[1], leaves[2], eps))
     y.backward(grad_out.double())
     return tuple(t.grad if t is not None else None for t in leaves)

@@ -212,3 +212,11 @@ def test_missing_nvcc_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(extension.Path, "exists", lambda self: False)
     with pytest.raises(extension.BuildError, match="nvcc not found"):
         extension._cuda_home()
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("GN_PATCH_REQUIRE_BUILD"),
+                    reason="set GN_PATCH_REQUIRE_BUILD=1 (CI does) to require the CUDA extension to compile here")
+def test_extension_compiles_and_loads():
+    """CI has nvcc but no GPU: the kernels must still compile and the library load."""
+    path = extension.build()
+    assert path.exists()

@@ -1,0 +1,132 @@
+"""examples/train_text_to_image.py and examples/compare_training.py end to end on the CPU with tiny models.
+
+Stock and patched runs see the same data and noise and give the same losses; checkpoints load into stock
+diffusers; LoRA adapters, an image folder with captions or prompt embeddings, precomputed latents, gradient
+accumulation and checkpointing, and real components loaded with --model all run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers.models.resnet import ResnetBlock2D
+from PIL import Image
+from safetensors.torch import load_file
+
+from gn_patch import configs
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RESULT_KEYS = {"config", "stock_samples_per_s", "patched_samples_per_s", "max_loss_diff_first_10_steps", "commit"}
+
+
+def run(script: str, *args: str | Path) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), *map(str, args)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """Four random RGB images of different sizes and aspect ratios, metadata.jsonl with captions, and
+    prompt_embeds.pt (file name -> (77, 32) embedding, the tiny UNet's cross-attention width)."""
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    rows = []
+    for index, (height, width) in enumerate([(40, 56), (64, 32), (33, 33), (90, 70)]):
+        name = f"image_{index}.png"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(root / name)
+        rows.append({"file_name": name, "text": f"a random picture number {index}"})
+    (root / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    gen = torch.Generator().manual_seed(0)
+    torch.save({row["file_name"]: torch.randn(77, 32, generator=gen) for row in rows}, root / "prompt_embeds.pt")
+    return root
+
+
+def test_compare_training_stock_and_patched_agree(tmp_path):
+    output, runs = tmp_path / "training.json", tmp_path / "runs"
+    run("compare_training.py", "--tiny", "--resolution", 32, "--train-batch-size", 2, "--max-train-steps", 3,
+        "--mixed-precision", "no", "--output", output, "--work-dir", runs)
+    result = json.loads(output.read_text())
+    assert RESULT_KEYS <= result.keys()
+    assert len(result["stock_losses"]) == len(result["patched_losses"]) == 3
+    # float32 on the CPU: the same weights, data and noise give the same losses up to summation order.
+    assert result["max_loss_diff_first_10_steps"] <= 1e-5 * max(result["stock_losses"])
+    assert result["stock_samples_per_s"] > 0 and result["patched_samples_per_s"] > 0
+    assert sum(result["config"]["gn_patch"]["fused"].values()) > 0
+
+    # The patched run's checkpoint is a stock diffusers UNet: same classes, same keys, every tensor written.
+    patched = UNet2DConditionModel.from_pretrained(runs / "patched" / "unet")
+    assert type(patched.mid_block.resnets[0]) is ResnetBlock2D
+    state = patched.state_dict()
+    assert state.keys() == UNet2DConditionModel(**configs.TINY_SD15_UNET).state_dict().keys()
+    saved = load_file(runs / "patched" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert saved.keys() == state.keys()
+    # Both runs start from the same seeded weights, and three AdamW steps of lr 1e-5 move a weight by ~3e-5 at
+    # most: the checkpoints agree far below the weights' own size (~1e-2) unless one of them is garbled.
+    stock = load_file(runs / "stock" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert max((saved[name] - stock[name]).abs().max().item() for name in stock) < 1e-4
+
+
+def test_lora_on_an_image_folder(tmp_path, image_folder):
+    out = tmp_path / "lora"
+    run("train_text_to_image.py", "--tiny", "--lora-rank", 4, "--train-data-dir", image_folder,
+        "--prompt-embeds", image_folder / "prompt_embeds.pt", "--precompute-latents", "--gradient-checkpointing",
+        "--gradient-accumulation-steps", 2, "--train-batch-size", 2, "--max-train-steps", 2,
+        "--mixed-precision", "no", "--output-dir", out, "--log-json", out / "log.json")
+    log = json.loads((out / "log.json").read_text())
+    assert len(log["losses"]) == 2 and all(math.isfinite(loss) for loss in log["losses"])
+
+    state, _ = StableDiffusionPipeline.lora_state_dict(out)  # diffusers' format: lora.down (A), lora.up (B)
+    assert state and all(key.startswith("unet.") and ".lora." in key for key in state)
+    # B starts at zero: non-zero values are the training steps.
+    assert any(value.abs().max() > 0 for key, value in state.items() if ".lora.up." in key)
+    unet = UNet2DConditionModel(**configs.TINY_SD15_UNET)
+    unet.load_lora_adapter(state, prefix="unet", adapter_name="trained")
+    loaded = {name: param for name, param in unet.named_parameters() if "lora_" in name}
+    assert len(loaded) == len(state)
+
+
+def write_tiny_model(root: Path) -> None:
+    """A Stable Diffusion model folder of tiny random components, with a character-level CLIP tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    UNet2DConditionModel(**configs.TINY_SD15_UNET).save_pretrained(root / "unet")
+    AutoencoderKL(**configs.TINY_VAE).save_pretrained(root / "vae")
+    DDPMScheduler.from_config(configs.SCHEDULER).save_pretrained(root / "scheduler")
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for char in "abcdefghijklmnopqrstuvwxyz0123456789":
+        vocab[char], vocab[char + "</w>"] = len(vocab), len(vocab) + 1
+    (root / "vocab.json").write_text(json.dumps(vocab))
+    (root / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(vocab_file=str(root / "vocab.json"), merges_file=str(root / "merges.txt"),
+                              model_max_length=77)
+    tokenizer.save_pretrained(root / "tokenizer")
+    text_config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=configs.TINY_SD15_UNET["cross_attention_dim"],
+                                 intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+                                 max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    CLIPTextModel(text_config).save_pretrained(root / "text_encoder")
+
+
+def test_model_folder_with_captions(tmp_path, image_folder):
+    model, out = tmp_path / "model", tmp_path / "out"
+    write_tiny_model(model)
+    run("train_text_to_image.py", "--model", model, "--train-data-dir", image_folder, "--resolution", 32,
+        "--train-batch-size", 2, "--max-train-steps", 2, "--mixed-precision", "no", "--output-dir", out,
+        "--log-json", out / "log.json")
+    log = json.loads((out / "log.json").read_text())
+    assert log["patched"] and all(math.isfinite(loss) for loss in log["losses"])
+    assert (out / "unet" / "diffusion_pytorch_model.safetensors").exists()
+
+
+def test_help():
+    assert "--lora-rank" in run("train_text_to_image.py", "--help").stdout
+    assert "--num-processes" in run("compare_training.py", "--help").stdout

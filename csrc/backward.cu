@@ -20,13 +20,13 @@ namespace {
 template <typename T, int V>
 struct LaneParams {
   float mean[V], rstd[V], w[V], bias[V];
-  int64_t group[V];
+  int group[V];  // < G <= C, fits 32 bits
 
   __device__ __forceinline__ LaneParams(const BackwardArgs& a, const BlockCoord& b) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int64_t c = b.active ? b.c0 + j : 0;
-      group[j] = c / a.geo.D;
+      group[j] = (int)(c / a.geo.D);
       mean[j] = a.mean[b.n * a.geo.G + group[j]];
       rstd[j] = a.rstd[b.n * a.geo.G + group[j]];
       w[j] = load_param<T>(a.weight, a.params_fp32, c, 1.f);
@@ -49,18 +49,21 @@ __device__ __forceinline__ void thread_grad_sums(const BackwardArgs& a, const Bl
   const int64_t step = g.block_rows;
   int64_t r = b.row_begin + b.rowlane;
   for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
-    float xv[kUnroll][V], gv[kUnroll][V];
+    Pack<T, V> xraw[kUnroll], graw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      load_vec<T, V>(x + offset + (r + u * step) * g.C, xv[u]);
-      load_vec<T, V>(dy + offset + (r + u * step) * g.C, gv[u]);
+      xraw[u] = load_pack<T, V>(x + offset + (r + u * step) * g.C);
+      graw[u] = load_pack<T, V>(dy + offset + (r + u * step) * g.C);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      float xv[V], gv[V];
+      unpack<T, V>(xraw[u], xv);
+      unpack<T, V>(graw[u], gv);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float z = (xv[u][j] - p.mean[j]) * p.rstd[j];
-        const float du = gv[u][j] * Activation<A>::df(fmaf(z, p.w[j], p.bias[j]));
+        const float z = (xv[j] - p.mean[j]) * p.rstd[j];
+        const float du = gv[j] * Activation<A>::df(fmaf(z, p.w[j], p.bias[j]));
         acc[j].x += du;
         acc[j].y = fmaf(du, z, acc[j].y);
       }

@@ -99,10 +99,19 @@ struct alignas(sizeof(T) * V) Pack {
 };
 
 template <typename T, int V>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[V]) {
-  const Pack<T, V> pack = *reinterpret_cast<const Pack<T, V>*>(p);
+__device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void unpack(const Pack<T, V>& pack, float (&out)[V]) {
 #pragma unroll
   for (int j = 0; j < V; ++j) out[j] = to_float(pack.v[j]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[V]) {
+  unpack<T, V>(load_pack<T, V>(p), out);
 }
 
 template <typename T, int V>
@@ -207,5 +216,8 @@ __device__ __forceinline__ float rows_of_lane(int64_t row_begin, int64_t row_end
 
 // Rows processed per loop iteration by each thread; loads of all of them are issued before use.
 constexpr int kUnroll = 4;
+// Reduction passes (no stores to overlap with) keep more rows in flight, as raw 16-byte packs: 128 bytes
+// per thread in 32 registers.
+constexpr int kReduceUnroll = 8;
 
 }  // namespace gn_patch

@@ -35,15 +35,17 @@ __device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, cons
   int64_t r = b.row_begin + b.rowlane;
   const T* base = x + b.n * g.S * g.C + b.c0;
   if (b.active) {
-    for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
-      float v[kUnroll][V];
+    for (; r + (kReduceUnroll - 1) * step < b.row_end; r += kReduceUnroll * step) {
+      Pack<T, V> raw[kReduceUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) load_vec<T, V>(base + (r + u * step) * g.C, v[u]);
+      for (int u = 0; u < kReduceUnroll; ++u) raw[u] = load_pack<T, V>(base + (r + u * step) * g.C);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        float v[V];
+        unpack<T, V>(raw[u], v);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const float d = v[u][j] - shift[j];
+          const float d = v[j] - shift[j];
           s1[j] += d;
           s2[j] = fmaf(d, d, s2[j]);
         }

@@ -2,7 +2,7 @@
 """Text-to-image with Stable Diffusion 1.5 or SDXL, stock and gn_patch-patched at the same seed: time, speedup, PSNR.
 
     python examples/txt2img.py --arch sd15 --height 512 --width 512 --steps 30
-    python examples/txt2img.py --arch sdxl --height 1024 --width 1024 --check-fp32 --json results.jsonl
+    python examples/txt2img.py --arch sdxl --height 1024 --width 1024 --check-fp32 --json results.json
     python examples/txt2img.py --model stabilityai/stable-diffusion-xl-base-1.0 --prompt "a red fox in snow"
     python examples/txt2img.py --device cpu --steps 2 --height 64 --width 64       # smoke run
 
@@ -17,7 +17,7 @@ One pipeline serves every variant: the optional float32 reference run first (``-
 ``--dtype``, then the same pipeline patched in place by gn_patch.patch_pipeline. Each timed variant gets a short
 warm-up call first (JIT build of the kernels, cuDNN autotuning and allocator growth stay out of the timing), and
 CUDA is synchronized around every timed call. PSNR is over the [0, 1] float images, peak 1.0; identical images
-give inf. The PNGs go to ``--output-dir``; ``--json PATH`` appends one JSON object per run (JSON Lines).
+give inf. The PNGs go to ``--output-dir``; ``--json PATH`` appends one object per run to the JSON list in PATH (created if missing).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -56,25 +57,29 @@ TINY_ARCHS = {  # --tiny (CI): the same structures, a few hundred thousand param
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", help="diffusers SD1.x/SDXL folder or hub id (default: random weights, --arch)")
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="sd15", help="architecture without --model")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="diffusers SD1.x/SDXL folder or hub id (default: random weights of --arch)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="sd15",
+                        help="architecture built without --model (default: %(default)s)")
     parser.add_argument("--prompt", default="a photograph of an astronaut riding a horse",
-                        help="prompt, with --model (random weights take random prompt embeddings)")
-    parser.add_argument("--steps", type=int, default=30, help="denoising steps of the timed runs")
+                        help="prompt, used with --model; random weights take random prompt embeddings")
+    parser.add_argument("--steps", type=int, default=30,
+                        help="denoising steps of the timed runs (default: %(default)s)")
     parser.add_argument("--height", type=int, help="image height (default: the model's native size)")
     parser.add_argument("--width", type=int, help="image width (default: the model's native size)")
-    parser.add_argument("--batch-size", type=int, default=1, help="images per prompt")
-    parser.add_argument("--guidance-scale", type=float, default=7.5)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="stock and patched dtype "
-                                                               "(default: float16 on CUDA, float32 on CPU)")
+    parser.add_argument("--batch-size", type=int, default=1, help="images per prompt (default: %(default)s)")
+    parser.add_argument("--guidance-scale", type=float, default=7.5,
+                        help="classifier-free guidance scale (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="dtype of the stock and patched runs (default: float16 on CUDA, float32 on CPU)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, embeddings and diffusion noise")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights, embeddings and diffusion noise (default: %(default)s)")
     parser.add_argument("--check-fp32", action="store_true",
-                        help="also run stock in float32 and report each image's PSNR against it")
-    parser.add_argument("--output-dir", type=Path, default=Path("txt2img_out"), help="where the PNGs go")
-    parser.add_argument("--json", type=Path, help="append the result as one JSON line to this file")
+                        help="also run stock in float32 first and report each image's PSNR against it")
+    parser.add_argument("--output-dir", type=Path, default=Path("txt2img_out"),
+                        help="where the PNGs go (default: %(default)s)")
+    parser.add_argument("--json", type=Path, help="append the result to the JSON list in this file")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny random models, for CI
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
@@ -89,12 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------
 # Pipeline and its inputs
 # ------------------------------------------------------------------------------------------------
-def random_pipeline(arch: str, tiny: bool, seed: int) -> DiffusionPipeline:
-    """SD1.5 or SDXL architecture, float32 random weights, no tokenizer or text encoder (prompts come as embeddings)."""
+def random_pipeline(arch: str, tiny: bool, seed: int, device: torch.device) -> DiffusionPipeline:
+    """SD1.5 or SDXL architecture, float32 random weights (diffusers' default init, drawn on ``device``: fast on a
+    GPU), no tokenizer or text encoder (prompts come as embeddings)."""
     unet_config, vae_config, _, _ = (TINY_ARCHS if tiny else ARCHS)[arch]
     torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**unet_config).eval()
-    vae = AutoencoderKL(**vae_config).eval()
+    with device:
+        unet = UNet2DConditionModel(**unet_config).eval()
+        vae = AutoencoderKL(**vae_config).eval()
     scheduler = DDIMScheduler(**configs.SCHEDULER)
     if arch == "sd15":
         return StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
@@ -116,7 +123,7 @@ def random_prompt_kwargs(arch: str, tiny: bool, batch: int, seed: int) -> dict[s
 
 
 def load_pipeline(args: argparse.Namespace) -> tuple[DiffusionPipeline, dict]:
-    """The pipeline (float32 when a reference run follows, else --dtype) on --device and its prompt kwargs."""
+    """The pipeline on --device, float32 when a reference run follows, else --dtype; and its prompt kwargs."""
     if args.model:
         load_dtype = torch.float32 if args.check_fp32 else args.dtype
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=load_dtype)
@@ -129,12 +136,13 @@ def load_pipeline(args: argparse.Namespace) -> tuple[DiffusionPipeline, dict]:
             pipe.watermark = None
         prompt_kwargs = dict(prompt=args.prompt, negative_prompt="")
     else:
-        pipe = random_pipeline(args.arch, args.tiny, args.seed)
+        pipe = random_pipeline(args.arch, args.tiny, args.seed, args.device)
         prompt_kwargs = random_prompt_kwargs(args.arch, args.tiny, args.batch_size, args.seed)
-        if not args.check_fp32:
-            pipe.to(dtype=args.dtype)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(args.device), prompt_kwargs
+    pipe.to(args.device)
+    if not args.check_fp32:
+        pipe.to(dtype=args.dtype)
+    return pipe, prompt_kwargs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +168,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_generate(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace) -> tuple[np.ndarray, float]:
-    """One warm-up call with a few steps, then the timed call with --steps. Returns (images, seconds)."""
+    """A one-step warm-up call, then the timed call with --steps. Returns (images, seconds)."""
     generate(pipe, prompt_kwargs, args, WARMUP_STEPS)
     synchronize(args.device)
     start = time.perf_counter()
@@ -182,7 +190,10 @@ def save_pngs(images: np.ndarray, output_dir: Path, variant: str) -> None:
 
 
 def git_commit() -> str:
-    """HEAD of the repository holding this script, or "unknown" (no git, no commit, not a checkout)."""
+    """$GN_PATCH_COMMIT (set where the tree is a copy without .git), else HEAD of the repository holding this
+    script, else "unknown"."""
+    if os.environ.get("GN_PATCH_COMMIT"):
+        return os.environ["GN_PATCH_COMMIT"]
     try:
         result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                                 capture_output=True, text=True, timeout=10)
@@ -229,8 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"stock {result['psnr_stock_vs_fp32_db']:.2f} dB")
     print(f"images in {args.output_dir}")
     if args.json:
-        with args.json.open("a") as file:
-            file.write(json.dumps(result) + "\n")  # identical images: psnr inf, written as Infinity
+        runs = json.loads(args.json.read_text()) if args.json.exists() else []
+        runs.append({k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in result.items()})
+        args.json.write_text(json.dumps(runs, indent=2) + "\n")  # identical images (psnr inf) record null
     return result
 
 

@@ -74,7 +74,7 @@ class Settings:
 
     quick: bool
     kernel_sources: tuple[str, ...]   # ShapeSource names whose GroupNorm shapes get a row
-    compile_kernels: bool             # compile_cl / compile_static_cl columns
+    compile_dtypes: tuple[str, ...]   # dtypes whose rows get the compile_cl / compile_static_cl columns
     graph_ms: float                   # GPU time spent replaying one captured graph, split into >= 5 replays
     wall_rounds: int                  # rounds of the wall-time loop (median taken)
     e2e_compile: bool
@@ -86,7 +86,7 @@ class Settings:
 FULL = Settings(
     quick=False,
     kernel_sources=("sd15_unet_512_b1", "sd15_unet_512_b2", "sdxl_unet_1024_b2", "vae_decode_512", "vae_decode_1024"),
-    compile_kernels=True, graph_ms=15.0, wall_rounds=3, e2e_compile=True,
+    compile_dtypes=("float16",), graph_ms=10.0, wall_rounds=3, e2e_compile=True,
     e2e_runs={"sd15_unet_512_b2": (3, 10), "vae_decode_512": (2, 10), "vae_decode_1024": (2, 5),
               "sd15_txt2img_512_30steps": (1, 3), "sdxl_unet_1024_b2": (2, 5), "sd15_train_512_b8": (2, 5)},
     cpu_calls=2000, cpu_rounds=7,
@@ -94,7 +94,7 @@ FULL = Settings(
 QUICK = Settings(
     quick=True,
     kernel_sources=("sd15_unet_512_b2", "vae_decode_512"),
-    compile_kernels=False, graph_ms=6.0, wall_rounds=2, e2e_compile=False,
+    compile_dtypes=(), graph_ms=6.0, wall_rounds=2, e2e_compile=False,
     e2e_runs={"sd15_unet_512_b2": (2, 5), "vae_decode_512": (1, 5), "vae_decode_1024": (1, 3),
               "sd15_txt2img_512_30steps": (1, 2), "sdxl_unet_1024_b2": (1, 3), "sd15_train_512_b8": (1, 3)},
     cpu_calls=1000, cpu_rounds=3,
@@ -184,6 +184,11 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message[:400]}" if message else type(exc).__name__
 
 
+def progress_bar(iterable=None, **kwargs) -> tqdm:
+    """tqdm, updating rarely when stderr is not a terminal (a log then gets a few lines, not thousands)."""
+    return tqdm(iterable, dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 15.0, **kwargs)
+
+
 def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -208,7 +213,13 @@ def build_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> nn
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(diffusers, class_name)(**config)
-    return model.to(dtype=dtype).eval()
+    # diffusers warns on every .to(dtype) about float32-only modules, even for models that have none
+    verbosity = diffusers.logging.get_verbosity()
+    diffusers.logging.set_verbosity_error()
+    try:
+        return model.to(dtype=dtype).eval()
+    finally:
+        diffusers.logging.set_verbosity(verbosity)
 
 
 class ModelCache:
@@ -602,10 +613,11 @@ class KernelBench:
 
     def __init__(self, settings: Settings, l2_bytes: int, kernels_ok: bool, static_keys: set[tuple]):
         self.settings, self.l2_bytes, self.kernels_ok, self.static_keys = settings, l2_bytes, kernels_ok, static_keys
-        self.compiled = torch.compile(torch_gn_silu) if settings.compile_kernels else None
-        self.compiled_static = torch.compile(torch_gn_silu_static, dynamic=False) if settings.compile_kernels else None
+        compiling = bool(settings.compile_dtypes)
+        self.compiled = torch.compile(torch_gn_silu) if compiling else None
+        self.compiled_static = torch.compile(torch_gn_silu_static, dynamic=False) if compiling else None
 
-    def methods(self, ks: KernelShape, dtype: str) -> list[tuple[str, str, Callable | None, str | None]]:
+    def methods(self, ks: KernelShape, dtype: str) -> list[tuple[str, str, Callable, str | None]]:
         """(name, input layout, op(x, w, b), reason it is not run) for each method of this cell."""
         groups, eps = ks.num_groups, ks.eps
         no_kernels = None if self.kernels_ok else "gn_patch CUDA kernels unavailable: not timing PyTorch's fallback"
@@ -614,9 +626,9 @@ class KernelBench:
             ("torch_nchw", "nchw", lambda x, w, b: torch_gn_silu(x, w, b, groups, eps), None),
             ("torch_cl", "cl", lambda x, w, b: torch_gn_silu(x, w, b, groups, eps), None),
         ]
-        if self.compiled is not None:
+        if dtype in self.settings.compile_dtypes:
             methods.append(("compile_cl", "cl", lambda x, w, b: self.compiled(x, w, b, groups, eps), None))
-            if dtype == "float16" and (ks.shape, groups) in self.static_keys:
+            if (ks.shape, groups) in self.static_keys:
                 methods.append(("compile_static_cl", "cl",
                                 lambda x, w, b: self.compiled_static(x, w, b, groups, eps), None))
         return methods
@@ -638,8 +650,6 @@ class KernelBench:
                 self._time(name, times, lambda: self._method(pool, name, layout, op, fits_l2))
         except Exception as exc:  # noqa: BLE001 - a failure outside the methods (inputs): the row says so
             times.errors["cell"] = describe_error(exc)
-        pool = None
-        _free_memory()
         return kernel_row(ks, dtype_name, pass_, element_size, n_sets, fits_l2, times)
 
     @staticmethod
@@ -650,6 +660,7 @@ class KernelBench:
         except Exception as exc:  # noqa: BLE001 - one failing cell must not stop the table
             times.errors[name] = describe_error(exc)
             _sync()
+            torch.cuda.empty_cache()  # after an out-of-memory error, give the next measurement a clean slate
             return
         times.gpu_us[name], times.timing[name] = result["gpu_us"], result["timing"]
         for key, store in (("wall_us", times.wall_us), ("first_call_s", times.first_call_s)):
@@ -693,9 +704,9 @@ def kernel_notes(settings: Settings, l2_bytes: int) -> dict:
     compile_note = ("compile_cl: torch.compile(F.group_norm + F.silu), default mode, every dim of x, weight and bias "
                     "marked dynamic (torch._dynamo.maybe_mark_dynamic): one compiled function serves all shapes, "
                     "recompiled only for dtype, grad mode, eps, rank and dynamo's specialisation of size-1 dims "
-                    "(batch 1). compile_static_cl: torch.compile(dynamic=False), one compile per shape, float16 only, "
-                    f"for the top-traffic shape of {', '.join(STATIC_COMPILE_SOURCES)}: what shape specialisation "
-                    "buys.")
+                    "(batch 1). compile_static_cl: torch.compile(dynamic=False), one compile per shape, for the "
+                    f"top-traffic shape of {', '.join(STATIC_COMPILE_SOURCES)}: what shape specialisation buys. "
+                    f"Compile budget: compile columns for {', '.join(settings.compile_dtypes)} rows only.")
     return {
         "rows": "one per distinct (shape, num_groups) of the GroupNorm calls the source models make (forward "
                 "pre-hooks on every nn.GroupNorm); calls differing only in eps share a row (eps_seen) and are "
@@ -705,7 +716,7 @@ def kernel_notes(settings: Settings, l2_bytes: int) -> dict:
                    "CUDA GroupNorm makes x contiguous and returns NCHW; converting y back, which the next "
                    "channels_last conv pays, is not counted; in fwd+bwd autograd copies dx back to x's layout, which "
                    "is). 3-D (N, C, L) inputs: channels_last = channel stride 1. "
-                   + (compile_note if settings.compile_kernels else "compile columns: not run (--quick)."),
+                   + (compile_note if settings.compile_dtypes else "compile columns: not run (--quick)."),
         "gpu_time": "*_us: GPU time per call. The calls of one pass over the rotation pool are captured in a CUDA "
                     f"graph and replayed >= 5 times (about {settings.graph_ms:g} ms of GPU time): median replay time "
                     "(CUDA events) / calls per graph. Warm-up calls excluded. timing says 'graph', or 'events' where "
@@ -745,7 +756,7 @@ def run_kernels(settings: Settings, cache: ModelCache, out: Path, metadata: dict
             except Exception as exc:  # noqa: BLE001 - the other sources still give rows
                 collection_errors[source.name] = describe_error(exc)
     shapes = distinct_shapes(calls_by_source)[:max_shapes]
-    static_keys = static_compile_shapes(shapes) if settings.compile_kernels else set()
+    static_keys = static_compile_shapes(shapes) if settings.compile_dtypes else set()
     writer = ResultFile(out / "kernels.json", {
         **metadata, "notes": kernel_notes(settings, l2_bytes),
         "sources": {s.name: {"model": s.model, "batch": s.batch, "image": s.latent * 8, "hooked_on": s.device,
@@ -757,7 +768,7 @@ def run_kernels(settings: Settings, cache: ModelCache, out: Path, metadata: dict
     bench = KernelBench(settings, l2_bytes, kernels_ok, static_keys)
     cells = [(ks, dtype, pass_) for ks in shapes for dtype in DTYPES for pass_ in PASSES]
     start = time.perf_counter()
-    with _compile_limits(), tqdm(cells, desc="kernels", unit="cell", dynamic_ncols=True) as progress:
+    with _compile_limits(), progress_bar(cells, desc="kernels", unit="cell") as progress:
         for ks, dtype, pass_ in progress:
             progress.set_postfix_str(f"{'x'.join(map(str, ks.shape))} {dtype} {pass_}")
             writer.add(bench.run(ks, dtype, pass_))
@@ -774,7 +785,7 @@ VARIANT_ORDER = ("stock_nchw", "stock_cl", "stock_cl+compile", "patched", "patch
 VARIANT_NOTES = {
     "stock_nchw": "diffusers model as built (NCHW), eager",
     "stock_cl": "model.to(memory_format=torch.channels_last), eager",
-    "patched": "gn_patch.surgeon.patch_model(model, channels_last=True), eager",
+    "patched": "gn_patch.patch_model(model, channels_last=True), eager",
     "stock_cl+compile": "torch.compile (default mode) of the channels_last UNet / VAE decoder",
     "patched+compile": "torch.compile (default mode) of the patched UNet / VAE decoder",
 }
@@ -785,7 +796,8 @@ class E2EConfig:
     """One end-to-end measurement: a call built from the group's models.
 
     compile: "compile" = compiled in the full run; "reuse" = run compiled only with what the "compile" configs of
-    its group compiled (recompiling is an error); "no" = never compiled (budget).
+    its group compiled (recompiling is an error); "no" = never compiled (budget). graphable: a stateless call,
+    also replayed from a CUDA graph (graph_ms).
     """
 
     name: str
@@ -793,6 +805,7 @@ class E2EConfig:
     description: str
     make_call: Callable[[SimpleNamespace], Callable[[], Any]]
     compile: str
+    graphable: bool
 
 
 def _inference(call: Callable[[], Any]) -> Callable[[], Any]:
@@ -822,21 +835,21 @@ def _train_step_call(models: SimpleNamespace, batch: int = 8, latent: int = 64) 
 
 E2E_CONFIGS = (
     E2EConfig("sd15_unet_512_b2", "sd15", "SD1.5 UNet call, latents 2x4x64x64 (512²), fp16, no_grad",
-              lambda m: _inference(unet_call(m.unet, 2, 64, torch.float16, "cuda")), "compile"),
+              lambda m: _inference(unet_call(m.unet, 2, 64, torch.float16, "cuda")), "compile", True),
     E2EConfig("vae_decode_512", "sd15", "SD VAE decode, latents 1x4x64x64 to 512², fp16, no_grad",
-              lambda m: _inference(vae_decode_call(m.vae, 64, torch.float16, "cuda")), "compile"),
+              lambda m: _inference(vae_decode_call(m.vae, 64, torch.float16, "cuda")), "compile", True),
     E2EConfig("vae_decode_1024", "sd15", "SD VAE decode, latents 1x4x128x128 to 1024², fp16, no_grad",
-              lambda m: _inference(vae_decode_call(m.vae, 128, torch.float16, "cuda")), "no"),
+              lambda m: _inference(vae_decode_call(m.vae, 128, torch.float16, "cuda")), "no", True),
     E2EConfig("sd15_txt2img_512_30steps", "sd15",
               "StableDiffusionPipeline from components (text_encoder=None, tokenizer=None, prompt_embeds given), "
               "512², 30 DDIM steps, CFG 7.5 (UNet batch 2), VAE decode included, output_type='pt', fp16",
               lambda m: txt2img_call(build_txt2img_pipeline(m.unet, m.vae), 512, 30, "cuda", torch.float16),
-              "reuse"),
+              "reuse", False),
     E2EConfig("sdxl_unet_1024_b2", "sdxl", "SDXL UNet call, latents 2x4x128x128 (1024²), fp16, no_grad",
-              lambda m: _inference(unet_call(m.unet, 2, 128, torch.float16, "cuda")), "no"),
+              lambda m: _inference(unet_call(m.unet, 2, 128, torch.float16, "cuda")), "no", True),
     E2EConfig("sd15_train_512_b8", "train",
               "SD1.5 UNet training step, batch 8 at 512²: fp32 weights, bf16 autocast forward, MSE loss, backward, "
-              "WITH a fused AdamW step (lr 1e-6)", _train_step_call, "no"),
+              "WITH a fused AdamW step (lr 1e-6)", _train_step_call, "no", False),
 )
 # Modules (dotted paths from the group's models) that the "+compile" variants replace by torch.compile of them.
 COMPILE_TARGETS = {"sd15": ("unet", "vae.decoder")}
@@ -868,7 +881,7 @@ def enter_variant(variant: str, models: SimpleNamespace, kernels_ok: bool) -> di
     elif variant == "patched":
         if not kernels_ok:
             raise RuntimeError("gn_patch CUDA kernels unavailable: the patched model would run PyTorch's GroupNorm")
-        from .surgeon import patch_model
+        from . import patch_model
 
         reports = {name: patch_model(model, channels_last=True) for name, model in vars(models).items()}
         return {name: {"fused": len(r.patched), "skipped": [n for n, _ in r.skipped]} for name, r in reports.items()}
@@ -897,10 +910,20 @@ def compiled_modules(models: SimpleNamespace, paths: tuple[str, ...]):
             torch._dynamo.reset()
 
 
-def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> dict:
+def graph_replay_ms(call: Callable[[], Any], target_ms: float = 50.0) -> float:
+    """GPU time of one call replayed from a CUDA graph: its kernels without the host's launch gaps."""
+    _warm_up(lambda _: call(), 1, calls=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return _median_event_ms(graph.replay, target_ms)
+
+
+def time_calls(call: Callable[[], Any], warmup: int, repeats: int, graph: bool = False) -> dict:
     """Wall time (host clock around call + synchronize) and GPU time (CUDA events around the call), medians of
     ``repeats`` calls after ``warmup`` (>= 1; the first call is timed apart: compile time for compiled variants),
-    and the peak memory allocated during the timed calls."""
+    the peak memory allocated during the timed calls, what was allocated before them (weights, inputs), and with
+    ``graph`` the CUDA-graph replay time of the call (or why it could not be captured)."""
     _sync()
     start = time.perf_counter()
     call()
@@ -910,6 +933,7 @@ def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> dict:
         call()
     _sync()
     torch.cuda.reset_peak_memory_stats()
+    resident_mb = torch.cuda.memory_allocated() / 2**20
     walls, gpus = [], []
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -921,9 +945,16 @@ def time_calls(call: Callable[[], Any], warmup: int, repeats: int) -> dict:
         _sync()
         walls.append((time.perf_counter() - start) * 1e3)
         gpus.append(begin.elapsed_time(end))
-    return {"wall_ms": round(statistics.median(walls), 3), "gpu_ms": round(statistics.median(gpus), 3),
-            "peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1), "first_call_s": round(first_call_s, 2),
-            "warmup": warmup, "repeats": repeats}
+    result = {"wall_ms": round(statistics.median(walls), 3), "gpu_ms": round(statistics.median(gpus), 3),
+              "peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1), "resident_mb": round(resident_mb, 1),
+              "first_call_s": round(first_call_s, 2), "warmup": warmup, "repeats": repeats}
+    if graph:
+        try:
+            result["graph_ms"] = round(graph_replay_ms(call), 3)
+        except Exception as exc:  # noqa: BLE001 - the eager times stand without it
+            _sync()
+            result["graph_error"] = describe_error(exc)
+    return result
 
 
 def e2e_row(config: E2EConfig, variant: str, **values: Any) -> dict:
@@ -944,7 +975,7 @@ def _e2e_cell(config: E2EConfig, variant: str, models: SimpleNamespace, settings
     try:
         call = config.make_call(models)
         with guard:
-            return e2e_row(config, variant, **time_calls(call, *settings.e2e_runs[config.name]))
+            return e2e_row(config, variant, **time_calls(call, *settings.e2e_runs[config.name], config.graphable))
     except Exception as exc:  # noqa: BLE001 - one failing cell must not stop the table
         return e2e_row(config, variant, error=describe_error(exc))
     finally:
@@ -959,8 +990,13 @@ def run_e2e(settings: Settings, cache: ModelCache, out: Path, metadata: dict, ke
     writer = ResultFile(out / "e2e.json", {
         **metadata, "configs": {c.name: c.description for c in E2E_CONFIGS}, "variants": VARIANT_NOTES,
         "notes": {"wall_ms": "median over timed calls of host clock around call + torch.cuda.synchronize()",
-                  "gpu_ms": "median over timed calls of CUDA events recorded around the call on the current stream",
-                  "peak_mb": "torch.cuda.max_memory_allocated() over the timed calls, reset after warm-up",
+                  "gpu_ms": "median over timed calls of CUDA events recorded around the call on the current stream "
+                            "(includes the GPU's idle gaps while the host launches: launch-bound calls show ~wall)",
+                  "graph_ms": "stateless inference configs: the same call captured once in a CUDA graph, median "
+                              "replay time (CUDA events): the GPU work alone, without launch gaps",
+                  "peak_mb": "torch.cuda.max_memory_allocated() over the timed calls, reset after warm-up; "
+                             "resident_mb: allocated before them. The sd15 group keeps its UNet and VAE resident "
+                             "together (the pipeline needs both), so its UNet and VAE rows include both weights",
                   "first_call_s": "first call alone (compile time included for compiled variants)",
                   "inputs": "seeded random weights and inputs; NCHW-contiguous latents, as the pipeline makes them",
                   "compile": "the pipeline's compiled variants reuse the UNet and VAE decoder compiled by the "
@@ -969,7 +1005,7 @@ def run_e2e(settings: Settings, cache: ModelCache, out: Path, metadata: dict, ke
     })
     start = time.perf_counter()
     groups = list(dict.fromkeys(c.group for c in E2E_CONFIGS))
-    with tqdm(total=len(E2E_CONFIGS) * len(VARIANTS), desc="e2e", unit="cell", dynamic_ncols=True) as progress:
+    with progress_bar(total=len(E2E_CONFIGS) * len(VARIANTS), desc="e2e", unit="cell") as progress:
         for group in groups:
             _run_group(group, settings, cache, writer, progress, kernels_ok)
     writer.update_metadata(section_s=round(time.perf_counter() - start, 1))
@@ -1054,7 +1090,7 @@ def run_cpu(settings: Settings, out: Path, metadata: dict, kernels_ok: bool) -> 
                  "host cost of the call (Python, dispatcher, launches)",
     })
     start = time.perf_counter()
-    with torch.no_grad(), tqdm(cpu_candidates(kernels_ok).items(), desc="cpu", unit="method") as progress:
+    with torch.no_grad(), progress_bar(cpu_candidates(kernels_ok).items(), desc="cpu", unit="method") as progress:
         for name, (call, skip) in progress:
             row = {"method": name, "us_per_call": None, "us_per_call_min": None,
                    "calls": settings.cpu_calls, "rounds": settings.cpu_rounds}
@@ -1094,9 +1130,16 @@ def _speedup(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}x"
 
 
+def provenance(meta: dict) -> str:
+    """Where a section's numbers come from (sections of one summary may come from separate --only runs)."""
+    keys = ("commit", "date", "quick", "section_s")
+    return "_" + ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k) is not None) + "_"
+
+
 def render_kernels(doc: dict) -> str:
     rows, notes = doc["rows"], doc["metadata"].get("notes", {})
-    parts = ["## Kernel table: GroupNorm + SiLU", "", *(f"- **{k}**: {v}" for k, v in notes.items()), ""]
+    parts = ["## Kernel table: GroupNorm + SiLU", "", provenance(doc["metadata"]), "",
+             *(f"- **{k}**: {v}" for k, v in notes.items()), ""]
     headers = ["shape", "G", "sources", "copy µs", "gn_patch µs", "NCHW µs", "CL µs", "compile µs",
                "compile static µs", "GB/s", "time/copy", "vs NCHW", "vs CL", "vs compile",
                "wall µs gn_patch / NCHW / CL / compile"]
@@ -1160,7 +1203,8 @@ def _e2e_cell_text(row: dict | None) -> str:
         return "not run"
     if row.get("error"):
         return "error"
-    return f"{row['wall_ms']:.1f} / {row['gpu_ms']:.1f} ms, {row['peak_mb']:.0f} MB"
+    graph = f" / {row['graph_ms']:.1f}" if row.get("graph_ms") is not None else ""
+    return f"{row['wall_ms']:.1f} / {row['gpu_ms']:.1f}{graph} ms, {row['peak_mb']:.0f} MB"
 
 
 def e2e_table(doc: dict) -> str:
@@ -1179,7 +1223,9 @@ def e2e_table(doc: dict) -> str:
 
 def render_e2e(doc: dict) -> str:
     meta = doc["metadata"]
-    parts = ["## End to end", "", "Cells: wall / GPU time (medians), peak memory allocated; speedups of wall time.", ""]
+    parts = ["## End to end", "", provenance(meta), "",
+             "Cells: wall / CUDA-event GPU [/ CUDA-graph replay] ms (medians), peak memory allocated; speedups "
+             "of wall time.", ""]
     parts += [f"- **{k}**: {v}" for k, v in meta.get("variants", {}).items()]
     parts += [f"- **{k}**: {v}" for k, v in meta.get("configs", {}).items()]
     parts += [f"- {k}: {v}" for k, v in meta.get("notes", {}).items()]
@@ -1200,7 +1246,7 @@ def cpu_table(doc: dict) -> str:
 def render_cpu(doc: dict) -> str:
     meta = doc["metadata"]
     return "\n".join([f"## CPU cost of one call: {shape_label(meta['shape'])} {meta['dtype']}, {meta['grad_mode']}",
-                      "", meta["notes"], "", cpu_table(doc), ""])
+                      "", provenance(meta), "", meta["notes"], "", cpu_table(doc), ""])
 
 
 def render_summary(kernels: dict | None, e2e: dict | None, cpu: dict | None) -> str:
@@ -1245,7 +1291,8 @@ def plot_kernel_speedup(doc: dict, path: Path) -> None:
 
 
 def plot_e2e(doc: dict, path: Path) -> None:
-    """Per config, wall-time bars of the variants (a missing bar is a cell not run or failed)."""
+    """Per config, bars of each variant's wall time and, where measured, its CUDA-graph replay time (the GPU work
+    alone); a missing bar is a cell not run or failed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1259,13 +1306,17 @@ def plot_e2e(doc: dict, path: Path) -> None:
     lines = math.ceil(len(config_names) / columns)
     fig, axes = plt.subplots(lines, columns, figsize=(4.6 * columns, 3.6 * lines), squeeze=False)
     for ax, config in zip(axes.flat, config_names):
-        values = [(rows.get((config, v)) or {}).get("wall_ms") for v in VARIANTS]
-        ax.bar(range(len(VARIANTS)), [v or 0 for v in values], color=[f"C{i}" for i in range(len(VARIANTS))])
-        for i, value in enumerate(values):
-            ax.text(i, value or 0, "n/a" if value is None else f"{value:.1f}", ha="center", va="bottom", fontsize=7)
+        cells = [rows.get((config, v)) or {} for v in VARIANTS]
+        for offset, key, label in ((-0.2, "wall_ms", "wall"), (0.2, "graph_ms", "GPU work (graph replay)")):
+            values = [cell.get(key) for cell in cells]
+            if not any(values):
+                continue
+            bars = ax.bar([i + offset for i in range(len(VARIANTS))], [v or 0 for v in values], 0.4, label=label)
+            ax.bar_label(bars, ["n/a" if v is None else f"{v:.1f}" for v in values], fontsize=6)
         ax.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=30, ha="right", fontsize=7)
         ax.set_title(config, fontsize=9)
-        ax.set_ylabel("wall ms (median)")
+        ax.set_ylabel("ms (median)")
+        ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(config_names):]:
         ax.axis("off")
     fig.tight_layout()

@@ -67,7 +67,8 @@ class PatchReport:
         patched: (module name, kind) of every GroupNorm this call fused, e.g. ``("mid_block.resnets.0.norm1",
             "ResnetBlock2D.norm1+act")``.
         already_patched: (module name, kind) of the GroupNorms an earlier call had fused.
-        skipped: (module name, reason) of every GroupNorm-like module left as it is.
+        skipped: (module name, reason) of every GroupNorm-like module left as it is (from patch_pipeline, also of
+            each transformers component holding a GroupNorm, which it leaves alone).
         channels_last: number of 4-D conv weights this call converted to channels_last.
     """
 
@@ -188,7 +189,7 @@ class _FusedResnetBlock2D(ResnetBlock2D):
         hidden_states = self.norm1(input_tensor)  # fused: norm1 + nonlinearity
 
         if self.upsample is not None:
-            # upsample_nearest_nhwc fails with large batch sizes. see https://github.com/huggingface/diffusers/issues/984
+            # upsample_nearest_nhwc fails with large batch sizes: https://github.com/huggingface/diffusers/issues/984
             if hidden_states.shape[0] >= 64:
                 input_tensor = input_tensor.contiguous()
                 hidden_states = hidden_states.contiguous()
@@ -369,12 +370,12 @@ class _Surgery:
 
     def activation_problem(self, activation) -> str | None:
         """Why the GroupNormAct cannot take over ``activation``'s work; None when it can."""
+        kind = type(activation).__name__
         if _activation_name(activation) is None:
-            return f"the next op, {type(activation).__name__}, is not an activation with a fused kernel (SiLU, GELU, ReLU)"
-        if isinstance(activation, nn.Module) and (
-                _has_output_hooks(activation) or activation._forward_pre_hooks or "_hf_hook" in activation.__dict__
+            return f"the next op, {kind}, is not an activation with a fused kernel (SiLU, GELU, ReLU)"
+        if (_has_output_hooks(activation) or activation._forward_pre_hooks or "_hf_hook" in activation.__dict__
                 or "forward" in activation.__dict__):
-            return f"hooks on the activation {type(activation).__name__} would no longer run"
+            return f"hooks on the activation {kind} would no longer run"
         return None
 
 
@@ -384,6 +385,10 @@ class _Surgery:
 def _patch_resnet(s: _Surgery, name: str, block: nn.Module, fused_cls: type, fused_norms: tuple[str, ...]) -> None:
     """Fuse ``fused_norms`` of ``block`` with its nonlinearity and switch it to ``fused_cls``, all or nothing."""
     base = type(block).__name__
+    if type(block) is fused_cls:
+        for attr in fused_norms:
+            s.note(s.report.already_patched, _join(name, attr), getattr(block, attr), f"{base}.{attr}+act")
+        return
     problem = (_unverified(type(block)) or s.activation_problem(block.nonlinearity)
                or _forward_override_problem(block))
     for attr in fused_norms:
@@ -400,6 +405,7 @@ def _patch_resnet(s: _Surgery, name: str, block: nn.Module, fused_cls: type, fus
 
 
 def _resnet_block_2d(s: _Surgery, name: str, block: ResnetBlock2D) -> None:
+    """ResnetBlock2D, or the _FusedResnetBlock2D an earlier call made of it."""
     if block.time_embedding_norm == "scale_shift":
         s.note(s.report.skipped, _join(name, "norm2"), block.norm2,
                "ResnetBlock2D with time_embedding_norm='scale_shift': the timestep scale/shift sits between norm2 "
@@ -410,15 +416,8 @@ def _resnet_block_2d(s: _Surgery, name: str, block: ResnetBlock2D) -> None:
 
 
 def _temporal_resnet_block(s: _Surgery, name: str, block: TemporalResnetBlock) -> None:
+    """TemporalResnetBlock, or the _FusedTemporalResnetBlock an earlier call made of it."""
     _patch_resnet(s, name, block, _FusedTemporalResnetBlock, ("norm1", "norm2"))
-
-
-def _already_fused_block(s: _Surgery, name: str, block: nn.Module) -> None:
-    base = type(block).__name__
-    for attr in ("norm1", "norm2"):
-        norm = getattr(block, attr)
-        if isinstance(norm, _FusedGroupNorm):
-            s.note(s.report.already_patched, _join(name, attr), norm, f"{base}.{attr}+act")
 
 
 def _fuse_with_next(s: _Surgery, norm_name: str, norm, activation, kind: str,
@@ -488,9 +487,9 @@ _UNFUSABLE = {
 
 _RULES: dict[type, Callable[[_Surgery, str, nn.Module], None]] = {
     ResnetBlock2D: _resnet_block_2d,
-    _FusedResnetBlock2D: _already_fused_block,
+    _FusedResnetBlock2D: _resnet_block_2d,
     TemporalResnetBlock: _temporal_resnet_block,
-    _FusedTemporalResnetBlock: _already_fused_block,
+    _FusedTemporalResnetBlock: _temporal_resnet_block,
     # classes whose forward ends with `sample = self.conv_norm_out(sample); sample = self.conv_act(sample)` and
     # uses conv_act nowhere else (diffusers 0.42.1, checked by _VERIFIED_SOURCES).
     UNet2DConditionModel: _post_process,
@@ -506,9 +505,12 @@ _RULES: dict[type, Callable[[_Surgery, str, nn.Module], None]] = {
 }
 
 
-def _parent_class(model: nn.Module, name: str) -> str:
-    parent = model.get_submodule(name.rpartition(".")[0]) if name else None
-    return type(parent).__name__ if parent is not None else "<none>"
+def _unknown_use(model: nn.Module, name: str) -> str:
+    """Skip reason of a GroupNorm no rule covers."""
+    if not name:
+        return "the surgeon does not know what follows this GroupNorm"
+    parent = model.get_submodule(name.rpartition(".")[0])
+    return f"the surgeon does not know what follows this GroupNorm in {type(parent).__name__}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,7 +550,9 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
     ``save_pretrained`` writes what stock diffusers reads. Outputs equal the stock model's up to rounding: on CPU,
     or for inputs the kernels do not take, GroupNormAct computes exactly F.group_norm then the activation.
     Calling it again fuses only what is new (report.already_patched lists the rest). accelerate hooks
-    (enable_model_cpu_offload, cpu_offload, dispatch_model) may be attached before or after.
+    (enable_model_cpu_offload, cpu_offload, dispatch_model) may be attached before or after; forward hooks on a
+    GroupNorm or on the activation it would absorb keep that pair unfused. A patched block relies on its fused
+    norms: replace submodules of a patched model only after unpatch_model.
 
     Args:
         model: any torch.nn.Module, e.g. a diffusers UNet2DConditionModel or AutoencoderKL.
@@ -573,8 +577,7 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
             _RULES[kind](surgery, name, module)
         elif (isinstance(module, nn.GroupNorm) and not isinstance(module, GroupNormAct)
               and id(module) not in surgery.seen):
-            surgery.note(surgery.report.skipped, name, module,
-                         f"the surgeon does not know what follows this GroupNorm in {_parent_class(model, name)}")
+            surgery.note(surgery.report.skipped, name, module, _unknown_use(model, name))
     if channels_last:
         surgery.report.channels_last = _set_conv_layout(model, torch.channels_last)
         if surgery.report.channels_last:
@@ -585,8 +588,8 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
 def unpatch_model(model: nn.Module) -> int:
     """Undo :func:`patch_model` in place: module classes, forwards and activation modules become stock again.
 
-    Conv weights that patch_model made channels_last become contiguous again. GroupNormAct modules not created by
-    patch_model are left alone.
+    Conv weights that patch_model made channels_last become contiguous again (also when it patched a submodule
+    or a pipeline component of ``model``). GroupNormAct modules not created by patch_model are left alone.
 
     Returns:
         The number of GroupNorms turned back from GroupNormAct.
@@ -602,8 +605,8 @@ def unpatch_model(model: nn.Module) -> int:
         for key, child in list(module._modules.items()):
             if isinstance(child, _FusedActivation):
                 child.original.train(child.training)
-                module._modules[key] = child.original
-    if getattr(model, _LAYOUT_FLAG, False):
-        _set_conv_layout(model, torch.contiguous_format)
-        delattr(model, _LAYOUT_FLAG)
+                setattr(module, key, child.original)
+        if _LAYOUT_FLAG in module.__dict__:
+            _set_conv_layout(module, torch.contiguous_format)
+            delattr(module, _LAYOUT_FLAG)
     return restored

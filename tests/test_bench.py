@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 
-from gn_patch import bench, configs
+from gn_patch import GroupNormAct, bench, configs
 
 E5, E6 = 1e-5, 1e-6
 
@@ -197,6 +197,8 @@ def test_compile_cells_not_run_where_the_budget_says():
             full = bench.not_run_reason(config, variant, bench.FULL)
             assert (full is None) == (config.compile != "no"), name
     assert set(bench.FULL.e2e_runs) == set(by_name) == set(bench.QUICK.e2e_runs)
+    assert not bench.QUICK.compile_dtypes and bench.FULL.compile_dtypes == ("float16",)
+    assert {n for n, c in by_name.items() if not c.graphable} == {"sd15_txt2img_512_30steps", "sd15_train_512_b8"}
     assert set(bench.VARIANTS) == set(bench.VARIANT_ORDER)
 
 
@@ -207,6 +209,20 @@ def test_txt2img_pipeline_runs_from_prompt_embeddings_on_tiny_models():
     assert pipe.text_encoder is None and pipe.tokenizer is None
     images = bench.txt2img_call(pipe, size=32, steps=2, device="cpu", dtype=torch.float32)()
     assert images.shape == (1, 3, 32, 32)
+
+
+def test_variants_convert_the_models_in_place():
+    vae = tiny(AutoencoderKL, configs.TINY_VAE)
+    models = bench.SimpleNamespace(vae=vae)
+    assert bench.enter_variant("stock_nchw", models, kernels_ok=True) == {}
+    assert not vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert bench.enter_variant("stock_cl", models, kernels_ok=True) == {}
+    assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="kernels unavailable"):
+        bench.enter_variant("patched", models, kernels_ok=False)
+    report = bench.enter_variant("patched", models, kernels_ok=True)
+    assert models.vae is vae and report["vae"]["fused"] > 0
+    assert any(isinstance(m, GroupNormAct) for m in vae.modules())
 
 
 def test_compiled_modules_swaps_and_restores(monkeypatch):
@@ -231,7 +247,7 @@ def sample_docs():
     e2e = {"metadata": {**metadata, "variants": bench.VARIANT_NOTES, "configs": {config.name: "UNet call"}},
            "rows": [bench.e2e_row(config, "stock_nchw", wall_ms=30.0, gpu_ms=29.0, peak_mb=2000.0),
                     bench.e2e_row(config, "stock_cl", wall_ms=24.0, gpu_ms=23.5, peak_mb=2000.0),
-                    bench.e2e_row(config, "patched", wall_ms=20.0, gpu_ms=19.5, peak_mb=1900.0),
+                    bench.e2e_row(config, "patched", wall_ms=20.0, gpu_ms=19.5, peak_mb=1900.0, graph_ms=10.0),
                     bench.e2e_row(config, "stock_cl+compile", not_run="--quick skips torch.compile"),
                     bench.e2e_row(config, "patched+compile", error="RuntimeError: boom")]}
     cpu = {"metadata": {**metadata, "shape": [2, 1280, 8, 8], "dtype": "float16", "grad_mode": "torch.no_grad()",
@@ -250,7 +266,7 @@ def test_summary_markdown_has_every_table():
     assert "| 2x320x64x64 | 32 | sd15_unet_512_b2,sdxl_unet_1024_b2 | 4.0 | 5.0 | 20.0 | 25.0 |" in text
     assert "4.00x" in text and "5.00x" in text and "1.25" in text
     assert "- 2x320x64x64 float16 fwd compile_cl: not run (--quick)" in text
-    assert "| sd15_unet_512_b2 | 30.0 / 29.0 ms, 2000 MB | 24.0 / 23.5 ms, 2000 MB | 20.0 / 19.5 ms, 1900 MB " \
+    assert "| sd15_unet_512_b2 | 30.0 / 29.0 ms, 2000 MB | 24.0 / 23.5 ms, 2000 MB | 20.0 / 19.5 / 10.0 ms, 1900 MB " \
            "| not run | error | 1.20x | – |" in text
     assert "sd15_unet_512_b2 / patched+compile: RuntimeError: boom" in text
     assert "| gn_patch.group_norm_act | 7.5 | 7.1 |  |" in text

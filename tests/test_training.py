@@ -16,19 +16,19 @@ from diffusers.models.resnet import ResnetBlock2D
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from gn_patch import GroupNormAct, configs
+from gn_patch import GroupNormAct, configs, extension
 
+from .tiny_models import OpCounter
 from .training_utils import (
     assert_grads_close,
     assert_grads_equal,
     build_unet,
     collect_grads,
+    joint_relative_l2,
     output_probe,
     parameter_grads,
     patched_copy,
-    relative_errors,
     unet_inputs,
-    worst,
 )
 
 LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -64,6 +64,12 @@ def checkpoint_recorder(use_reentrant: bool):
 
 def holds_fused_norm(module: torch.nn.Module) -> bool:
     return any(isinstance(m, GroupNormAct) for m in module.modules())
+
+
+def fused_norm_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the affine parameters of the model's GroupNormAct modules."""
+    return [f"{name}.{attr}" for name, module in model.named_modules() if isinstance(module, GroupNormAct)
+            for attr in ("weight", "bias") if getattr(module, attr) is not None]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,6 +165,8 @@ def cuda_numerics(deterministic: bool = False):
 
 @pytest.fixture(scope="module")
 def sd15():
+    # Without the kernels GroupNormAct falls back to PyTorch's GroupNorm and these tests would prove little.
+    assert extension.kernels_available(), "gn_patch's CUDA kernels are not available (see python -m gn_patch.build)"
     with cuda_numerics():
         case = Case(configs.SD15_UNET, batch=2, tokens=77, device="cuda")
         case.patched = patched_copy(case.stock)
@@ -169,24 +177,34 @@ def sd15():
 
 @pytest.mark.gpu
 def test_cuda_fp32_gradients_match_stock(sd15):
-    with cuda_numerics():
-        assert_grads_close(sd15.grads_of(sd15.patched), sd15.grads, CUDA_RTOL)
+    with cuda_numerics(), OpCounter() as ops:
+        grads = sd15.grads_of(sd15.patched)
+    # The fused kernels did the work, forward and backward.
+    assert ops.calls["gn_patch::group_norm_act"] > 0 and ops.calls["gn_patch::group_norm_act_backward"] > 0
+    assert_grads_close(grads, sd15.grads, CUDA_RTOL)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cuda_autocast_gradients_as_close_to_fp32_as_stock(sd15, dtype):
     """Under autocast with float32 weights, the patched gradients may be no further from the float32 stock
-    gradients than the stock autocast gradients are (x1.5, plus slack for near-exact parameters)."""
+    gradients than the stock autocast gradients are (x1.5, plus a small slack).
+
+    Distances are taken over gradients jointly: all parameters, and apart the GroupNorm parameters (whose
+    gradients the fused backward computes itself, and which are too few to show in the total). Per parameter,
+    two equally accurate half-precision runs scatter too much to compare: on the tiny UNet, where the patched
+    model computes with PyTorch's own GroupNorm, patched/stock ratios of per-parameter errors reach 1.9.
+    """
     with cuda_numerics():
-        stock = relative_errors(sd15.grads_of(sd15.stock, autocast_dtype=dtype), sd15.grads)
-        patched = relative_errors(sd15.grads_of(sd15.patched, autocast_dtype=dtype), sd15.grads)
-    assert all(err < 1 for err in stock.values()), f"stock autocast gradients are unusable: {worst(stock)}"
-    bound = {name: AUTOCAST_RATIO * err + AUTOCAST_SLACK for name, err in stock.items()}
-    bad = {name: (err, stock[name]) for name, err in patched.items() if not err <= bound[name]}
-    assert not bad, (f"{len(bad)} of {len(patched)} patched gradients are further from float32 than "
-                     f"{AUTOCAST_RATIO}x stock's + {AUTOCAST_SLACK}, (patched, stock) error: "
-                     f"{sorted(bad.items(), key=lambda kv: -kv[1][0])[:5]}")
+        stock = sd15.grads_of(sd15.stock, autocast_dtype=dtype)
+        patched = sd15.grads_of(sd15.patched, autocast_dtype=dtype)
+    groups = {"all parameters": sorted(sd15.grads), "GroupNorm parameters": fused_norm_parameters(sd15.patched)}
+    for group, names in groups.items():
+        stock_error = joint_relative_l2(stock, sd15.grads, names)
+        patched_error = joint_relative_l2(patched, sd15.grads, names)
+        assert stock_error < 0.5, f"{group}: stock autocast gradients are unusable (relative error {stock_error})"
+        assert patched_error <= AUTOCAST_RATIO * stock_error + AUTOCAST_SLACK, (
+            f"{group}: patched gradients {patched_error:.4g} from float32, stock's {stock_error:.4g}")
 
 
 @pytest.mark.gpu

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel, UNetSpatioTemporalConditionModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils import BaseOutput
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gn_patch import configs
 
@@ -41,7 +44,7 @@ def perturb_(model: nn.Module, seed: int = 0) -> nn.Module:
     weights (ControlNet's zero convolutions, ...) random. Otherwise a test could not see, e.g., a lost affine."""
     generator = torch.Generator().manual_seed(seed)
     for param in model.parameters():
-        noise = torch.randn(param.shape, generator=generator, dtype=param.dtype).to(param.device)
+        noise = torch.randn(param.shape, generator=generator, dtype=param.dtype, device="cpu").to(param.device)
         if param.dim() <= 1:
             param.add_(0.2 * noise)
         elif not param.any():
@@ -75,7 +78,7 @@ def tiny_svd_unet() -> UNetSpatioTemporalConditionModel:
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), device="cpu")
 
 
 def sd15_unet_inputs(batch: int = 2) -> dict:
@@ -98,6 +101,10 @@ def svd_unet_inputs(batch: int = 1, frames: int = 3) -> dict:
                 encoder_hidden_states=randn(batch, 1, 32, seed=1), added_time_ids=randn(batch, 3, seed=2))
 
 
+def module_types(model: nn.Module) -> dict[str, type]:
+    return {name: type(module) for name, module in model.named_modules()}
+
+
 def outputs(result) -> list[torch.Tensor]:
     """The tensors of a model output (a tensor, a diffusers BaseOutput, or nested tuples/lists of them)."""
     if isinstance(result, torch.Tensor):
@@ -116,3 +123,16 @@ def assert_same_outputs(actual, expected, tol: float = 1e-5) -> None:
     for a, e in zip(actual, expected):
         assert a.shape == e.shape
         assert rel_l2(a, e) <= tol, f"relative L2 difference {rel_l2(a, e):.3g} > {tol}"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen and custom ops dispatched inside the ``with`` block, by schema name
+    (``gn_patch::group_norm_act``: the fused CUDA kernels ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))

@@ -96,6 +96,12 @@ def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.double() - expected.double()).norm().item() / scale
 
 
+def joint_relative_l2(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], names) -> float:
+    """relative_l2 of the named gradients taken together as one vector."""
+    return relative_l2(torch.cat([actual[name].flatten() for name in names]),
+                       torch.cat([expected[name].flatten() for name in names]))
+
+
 def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
     """relative_l2 per parameter; both sides must name the same parameters with the same shapes."""
     assert actual.keys() == expected.keys(), f"parameter names differ: {sorted(actual.keys() ^ expected.keys())[:10]}"

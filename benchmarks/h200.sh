@@ -32,9 +32,9 @@ for step in "$@"; do
     txt2img)
       rm -f "$OUT/txt2img.json"
       python3 examples/txt2img.py --arch sd15 --height 512 --width 512 --dtype float16 --check-fp32 \
-        --json "$OUT/txt2img.json" --output-dir "$OUT/images" 2>&1 | tail -30
+        --json "$OUT/txt2img.json" --output-dir /tmp/gn_patch_images 2>&1 | tail -30
       python3 examples/txt2img.py --arch sdxl --height 1024 --width 1024 --dtype float16 --check-fp32 \
-        --json "$OUT/txt2img.json" --output-dir "$OUT/images" 2>&1 | tail -30 ;;
+        --json "$OUT/txt2img.json" --output-dir /tmp/gn_patch_images 2>&1 | tail -30 ;;
     training)
       python3 examples/compare_training.py --output "$OUT/training.json" --work-dir /tmp/gn_patch_training \
         --commit "${GN_PATCH_COMMIT:-unknown}" ${TRAIN_ARGS:-} 2>&1 | tail -30 ;;

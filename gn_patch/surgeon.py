@@ -136,6 +136,8 @@ _VERIFIED_SOURCES = {
     Encoder: {"f58ee1b44a5e3da4"},
     Decoder: {"9f0ef7b3671ff01b"},
 }
+# Transformer2DModel._get_output_for_continuous_inputs, mirrored by _ChannelsLastTransformer2DModel.
+_VERIFIED_TRANSFORMER_OUTPUT = {"080aa7e5536f6b0c"}
 
 
 @functools.cache
@@ -236,6 +238,26 @@ class _FusedResnetBlock2D(ResnetBlock2D):
         return output_tensor
 
 
+class _ChannelsLastTransformer2DModel(Transformer2DModel):
+    """Transformer2DModel whose output (continuous inputs) stays channels_last. Installed by
+    patch_model(channels_last=True) by switching an instance's class.
+
+    diffusers 0.42.1 ends with ``.reshape(B, H, W, C).permute(0, 3, 1, 2).contiguous()``, a copy to NCHW: the next
+    GroupNorm then gets an input the kernels do not read (it takes PyTorch's path) and every layer after it converts
+    back. The permuted view already is channels_last, so asking for that layout copies nothing; values are unchanged.
+    """
+
+    def _get_output_for_continuous_inputs(self, hidden_states, residual, batch_size, height, width, inner_dim):
+        if not self.use_linear_projection:
+            hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
+            hidden_states = self.proj_out(hidden_states.contiguous(memory_format=torch.channels_last))
+        else:
+            hidden_states = self.proj_out(hidden_states)
+            hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
+            hidden_states = hidden_states.contiguous(memory_format=torch.channels_last)
+        return hidden_states + residual
+
+
 class _FusedTemporalResnetBlock(TemporalResnetBlock):
     """TemporalResnetBlock whose norm1 and norm2 are GroupNormActs applying the block's nonlinearity."""
 
@@ -268,12 +290,14 @@ class _FusedTemporalResnetBlock(TemporalResnetBlock):
 _FusedGroupNorm.__name__ = GroupNormAct.__name__
 _FusedResnetBlock2D.__name__ = ResnetBlock2D.__name__
 _FusedTemporalResnetBlock.__name__ = TemporalResnetBlock.__name__
+_ChannelsLastTransformer2DModel.__name__ = Transformer2DModel.__name__
 
 # patched class -> original class, for unpatch_model.
 _ORIGINAL_CLASS = {
     _FusedGroupNorm: nn.GroupNorm,
     _FusedResnetBlock2D: ResnetBlock2D,
     _FusedTemporalResnetBlock: TemporalResnetBlock,
+    _ChannelsLastTransformer2DModel: Transformer2DModel,
 }
 
 
@@ -347,7 +371,8 @@ def _only_moves_tensors(hook) -> bool:
 class _Surgery:
     """One patch_model walk: the model's module-use counts and the report being written."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, channels_last: bool) -> None:
+        self.channels_last = channels_last
         self.uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
         self.report = PatchReport()
         self.seen: set[int] = set()  # ids of GroupNorms some rule has reported on
@@ -467,6 +492,18 @@ def _identity_norm(attr: str, kind: str) -> Callable[[_Surgery, str, nn.Module],
     return rule
 
 
+_transformer_norm = _identity_norm("norm", "Transformer2DModel.norm")
+
+
+def _transformer_2d(s: _Surgery, name: str, model: Transformer2DModel) -> None:
+    """The input norm (identity activation) and, with channels_last, an output that stays channels_last."""
+    _transformer_norm(s, name, model)
+    if (s.channels_last and type(model) is Transformer2DModel and model.is_input_continuous
+            and _source_digest(Transformer2DModel._get_output_for_continuous_inputs) in _VERIFIED_TRANSFORMER_OUTPUT
+            and _forward_override_problem(model) is None):
+        _set_class(model, _ChannelsLastTransformer2DModel)
+
+
 def _sequential(s: _Surgery, name: str, seq: nn.Sequential) -> None:
     """Adjacent (GroupNorm, activation) items of an nn.Sequential, whose forward calls its items in order."""
     items = list(seq._modules.items())
@@ -498,7 +535,8 @@ _RULES: dict[type, Callable[[_Surgery, str, nn.Module], None]] = {
     Encoder: _post_process,
     Decoder: _post_process,
     Attention: _identity_norm("group_norm", "attention.group_norm"),
-    Transformer2DModel: _identity_norm("norm", "Transformer2DModel.norm"),
+    Transformer2DModel: _transformer_2d,
+    _ChannelsLastTransformer2DModel: _transformer_2d,
     TransformerTemporalModel: _identity_norm("norm", "TransformerTemporalModel.norm"),
     TransformerSpatioTemporalModel: _identity_norm("norm", "TransformerSpatioTemporalModel.norm"),
     nn.Sequential: _sequential,
@@ -563,7 +601,7 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
     Returns:
         PatchReport: fused, already fused and skipped GroupNorms (qualified names), conv weights converted.
     """
-    surgery = _Surgery(model)
+    surgery = _Surgery(model, channels_last)
     unfusable_prefix = None  # the qualified name of the _UNFUSABLE module whose subtree is being walked
     for name, module in model.named_modules():
         if unfusable_prefix is not None and name.startswith(unfusable_prefix + "."):

@@ -10,6 +10,8 @@ from collections import Counter, OrderedDict
 
 import pytest
 import torch
+
+import gn_patch.ops
 from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel, UNet2DModel
 from diffusers.models.attention_processor import Attention, SpatialNorm
 from diffusers.models.autoencoders.vae import Decoder
@@ -578,3 +580,44 @@ def test_half_precision_accuracy_cuda(case, dtype, exact_fp32_reference):
         stock_error, patched_error = rel_l2(s, r), rel_l2(p, r)
         assert torch.isfinite(p).all() and torch.isfinite(s).all()
         assert patched_error <= 1.5 * stock_error + 1e-3, (patched_error, stock_error)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout flow: with channels_last, every fused GroupNorm must receive an input the kernels read
+# ------------------------------------------------------------------------------------------------
+LAYOUT_CASES = {
+    "sd15_unet": (tiny_sd15_unet, lambda m: m(**sd15_unet_inputs())),
+    "sdxl_unet": (tiny_sdxl_unet, lambda m: m(**sdxl_unet_inputs())),
+    "vae": (tiny_vae, lambda m: m(randn(1, 3, 32, 32))),
+    "controlnet": (tiny_controlnet, lambda m: m(**controlnet_inputs())),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_every_fused_group_norm_sees_channels_last_input(case):
+    """An NCHW input would send a GroupNormAct to PyTorch's path on CUDA (exact, but no kernel and two layout
+    conversions). Transformer2DModel's NCHW .contiguous() output was such a leak."""
+    build, run = LAYOUT_CASES[case]
+    model = build()
+    patch_model(model)
+    seen = {}
+
+    def record(module, args):
+        seen[module] = gn_patch.ops._is_channels_last(args[0]) and not args[0].is_contiguous()
+
+    handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, GroupNormAct)]
+    with torch.no_grad():
+        run(model)
+    for handle in handles:
+        handle.remove()
+    names = {m: n for n, m in model.named_modules()}
+    assert seen and all(seen.values()), [names[m] for m, ok in seen.items() if not ok]
+
+
+def test_transformer_output_layout_patch_is_undone():
+    model = tiny_sd15_unet()
+    before = module_types(model)
+    patch_model(model)
+    assert any(type(m).__qualname__ == "_ChannelsLastTransformer2DModel" for m in model.modules())
+    unpatch_model(model)
+    assert module_types(model) == before

@@ -46,5 +46,9 @@ class GroupNormAct(nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
 
+    def __prepare_scriptable__(self):
+        raise RuntimeError("GroupNormAct does not support TorchScript (its forward chooses between the CUDA kernels "
+                           "and PyTorch's path in Python): use torch.compile, torch.export or torch.jit.trace")
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"

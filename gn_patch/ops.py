@@ -10,6 +10,7 @@ PyTorch's own ``F.group_norm`` followed by the activation.
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 from . import extension
@@ -27,6 +28,7 @@ ACTIVATIONS = {
 _ALIASES = {"swish": "silu", "none": "identity", None: "identity"}
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MEMORY_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 _lib = torch.library.Library("gn_patch", "DEF")
 _lib.define(
@@ -47,8 +49,8 @@ def canonical_activation(activation: str | None) -> str:
     Raises:
         ValueError: unknown name.
     """
-    name = _ALIASES.get(activation, activation)
-    if name not in ACTIVATIONS:
+    name = _ALIASES.get(activation, activation) if isinstance(activation, (str, type(None))) else activation
+    if not isinstance(name, str) or name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)} or swish")
     return name
 
@@ -62,17 +64,54 @@ def _param_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
+# Input checks of the ops outside CUDA (the CUDA kernels check in C++ with the same messages)
+# ------------------------------------------------------------------------------------------------
+def _check_inputs(x, weight, bias, num_groups, activation):
+    """Raise RuntimeError on what the CUDA op rejects, with torch.nn.GroupNorm's messages where it has one."""
+    torch._check(x.dtype.is_floating_point, lambda: f"gn_patch: expected a floating-point input, got {x.dtype}")
+    torch._check(2 <= x.dim() <= 5, lambda: f"gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape "
+                                            f"{list(x.shape)}")
+    torch._check(num_groups > 0, lambda: f"gn_patch: num_groups must be positive, got {num_groups}")
+    torch._check(x.shape[1] % num_groups == 0,
+                 lambda: "Expected number of channels in input to be divisible by num_groups, but got input of shape "
+                         f"{list(x.shape)} and num_groups={num_groups}")
+    torch._check(activation in ACTIVATIONS, lambda: f"gn_patch: unknown activation '{activation}' (expected identity, "
+                                                    "silu, gelu, gelu_tanh or relu)")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        torch._check(p.dim() == 1 and p.shape[0] == x.shape[1],
+                     lambda: f"Expected {name} to be a vector of size equal to the number of channels in input, but "
+                             f"got {name} of shape {list(p.shape)} and input of shape {list(x.shape)}")
+        torch._check(p.device == x.device, lambda: "Expected all tensors to be on the same device, but found input on "
+                                                   f"{x.device} and {name} on {p.device}")
+        torch._check(p.dtype in (x.dtype, torch.float32),
+                     lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}) or float32, got {p.dtype}")
+
+
+def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
+    torch._check(grad_out.shape == x.shape and grad_out.dtype == x.dtype,
+                 lambda: "gn_patch: grad_out must match the input's shape, dtype and device")
+    for t in (mean, rstd):
+        torch._check(t.shape == (x.shape[0], num_groups) and t.dtype == _stats_dtype(x),
+                     lambda: f"gn_patch: mean and rstd must be {_stats_dtype(x)} of shape (N, num_groups)")
+    torch._check(len(output_mask) == 3, lambda: "gn_patch: output_mask must have 3 entries (x, weight, bias)")
+
+
+# ------------------------------------------------------------------------------------------------
 # Fake functions: shapes, dtypes and strides (y keeps x's memory format, channels_last in -> out).
 # ------------------------------------------------------------------------------------------------
 @torch.library.register_fake("gn_patch::group_norm_act")
 def _group_norm_act_fake(x, weight, bias, num_groups, eps, activation):
-    torch._check(x.shape[1] % num_groups == 0, lambda: "number of channels must be divisible by num_groups")
+    _check_inputs(x, weight, bias, num_groups, activation)
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
     return torch.empty_like(x), stats, torch.empty_like(stats)
 
 
 @torch.library.register_fake("gn_patch::group_norm_act_backward")
 def _group_norm_act_backward_fake(grad_out, x, weight, bias, mean, rstd, num_groups, activation, output_mask):
+    _check_inputs(x, weight, bias, num_groups, activation)
+    _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask)
     dx = torch.empty_like(x) if output_mask[0] else x.new_empty((0,))
     dw = torch.empty_like(weight) if output_mask[1] and weight is not None else x.new_empty((0,))
     db = torch.empty_like(bias) if output_mask[2] and bias is not None else x.new_empty((0,))
@@ -83,18 +122,33 @@ def _group_norm_act_backward_fake(grad_out, x, weight, bias, mean, rstd, num_gro
 # Autograd: the op's own backward (one fused op for dx, dweight, dbias).
 # ------------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, num_groups, _eps, activation = inputs
+    x, weight, bias, num_groups, eps, activation = inputs
     _y, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.num_groups = num_groups
+    ctx.eps = eps
     ctx.activation = activation
     ctx.mark_non_differentiable(mean, rstd)
+
+
+def _differentiable_grads(ctx, x, weight, bias, grad_y, mask):
+    """The gradients recomputed through PyTorch's own differentiable ops (float32 or wider), for backward passes
+    that build a graph (create_graph=True: double backward, gradient penalties). The backward op has no
+    derivative of its own."""
+    acc = _stats_dtype(x)
+    leaves = [t for t, needed in zip((x, weight, bias), mask) if needed]
+    up = lambda t: None if t is None else t.to(acc)
+    y = ACTIVATIONS[ctx.activation](F.group_norm(up(x), ctx.num_groups, up(weight), up(bias), ctx.eps))
+    grads = iter(torch.autograd.grad(y, leaves, grad_y.to(acc), create_graph=True))
+    return tuple(next(grads) if needed else None for needed in mask)
 
 
 def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
             bias is not None and ctx.needs_input_grad[2]]
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must themselves be differentiable
+        return (*_differentiable_grads(ctx, x, weight, bias, grad_y, mask), None, None, None)
     dx, dw, db = torch.ops.gn_patch.group_norm_act_backward.default(
         grad_y, x, weight, bias, mean, rstd, ctx.num_groups, ctx.activation, mask)
     return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None, None, None, None)
@@ -124,6 +178,10 @@ def _preactivation(xhat, weight, bias):
 
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
 def _group_norm_act_reference(x, weight, bias, num_groups, eps, activation):
+    _check_inputs(x, weight, bias, num_groups, activation)
+    if x.numel() == 0:  # N = 0 (an empty spatial size raises in var_mean, as the CUDA op raises)
+        stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
+        return torch.empty_like(x), stats, torch.empty_like(stats)
     acc = x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1)
     var, mean = torch.var_mean(acc, dim=-1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
@@ -135,6 +193,13 @@ def _group_norm_act_reference(x, weight, bias, num_groups, eps, activation):
 
 @torch.library.impl("gn_patch::group_norm_act_backward", "CPU")
 def _group_norm_act_backward_reference(grad_out, x, weight, bias, mean, rstd, num_groups, activation, output_mask):
+    _check_inputs(x, weight, bias, num_groups, activation)
+    _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask)
+    if x.numel() == 0:
+        empty = x.new_empty((0,))
+        return (torch.empty_like(x) if output_mask[0] else empty,
+                torch.zeros_like(weight) if output_mask[1] and weight is not None else empty,
+                torch.zeros_like(bias) if output_mask[2] and bias is not None else empty)
     xhat = _normalized(x, mean, rstd, num_groups)
     with torch.enable_grad():  # du = dy * act'(u), through PyTorch's own activation backward
         u = _preactivation(xhat, weight, bias).detach().requires_grad_(True)
@@ -172,6 +237,9 @@ def _is_channels_last(x: torch.Tensor) -> bool:
 
 def _kernel_covers(x, weight, bias) -> bool:
     if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and _is_channels_last(x)):
+        return False
+    # torch.func transforms and forward-mode AD need derivative rules the kernel op does not have.
+    if _is_functorch_wrapped(x) or _forward_ad._current_level >= 0:
         return False
     if x.numel() == 0 and x.shape[0] != 0:
         return False

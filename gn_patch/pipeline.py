@@ -35,6 +35,9 @@ def patch_pipeline(pipe, **kwargs) -> PatchReport:
     Returns:
         PatchReport of all components, module names prefixed by the component's name (``unet.conv_norm_out``).
     """
+    if not isinstance(getattr(pipe, "components", None), dict):
+        raise TypeError(f"patch_pipeline expects a diffusers DiffusionPipeline (with a `components` dict), got "
+                        f"{type(pipe).__name__}; use gn_patch.patch_model for a single model")
     report = PatchReport()
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module) or not _holds_group_norm(component):

@@ -590,7 +590,9 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
     Calling it again fuses only what is new (report.already_patched lists the rest). accelerate hooks
     (enable_model_cpu_offload, cpu_offload, dispatch_model) may be attached before or after; forward hooks on a
     GroupNorm or on the activation it would absorb keep that pair unfused. A patched block relies on its fused
-    norms: replace submodules of a patched model only after unpatch_model.
+    norms: replace submodules of a patched model only after unpatch_model. A fused nn.Sequential pair assumes its
+    items run in order (calling the Sequential, or iterating over it); calling the GroupNorm item alone then
+    applies the activation too.
 
     Args:
         model: any torch.nn.Module, e.g. a diffusers UNet2DConditionModel or AutoencoderKL.
@@ -631,7 +633,13 @@ def unpatch_model(model: nn.Module) -> int:
 
     Returns:
         The number of GroupNorms turned back from GroupNormAct.
+
+    Raises:
+        ValueError: ``model`` is a single GroupNorm fused with its parent's activation (unpatch the parent).
     """
+    if isinstance(model, _FusedGroupNorm) and model.activation != "identity":
+        raise ValueError("unpatch_model: this GroupNorm was fused with the activation its parent module applies after "
+                         "it; unpatch the parent (or the whole model) so that the activation comes back too")
     restored = 0
     for module in list(model.modules()):
         original = _ORIGINAL_CLASS.get(type(module))

@@ -220,3 +220,49 @@ def test_extension_compiles_and_loads():
     """CI has nvcc but no GPU: the kernels must still compile and the library load."""
     path = extension.build()
     assert path.exists()
+
+
+def test_double_backward_through_op():
+    """create_graph=True (gradient penalties, Hessian-vector products) differentiates the gradients too."""
+    x = random_input((2, 6, 3, 2), torch.float64, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(6, torch.float64))
+    fn = lambda x, w, b: OP(x, w, b, 3, 1e-5, "silu")[0]
+    assert torch.autograd.gradgradcheck(fn, (x, w, b))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: OP(torch.randn(1, 6, 1, 2), None, None, 4, 1e-5, "identity"), "divisible by num_groups"),
+    (lambda: OP(torch.randn(2, 8, 3), torch.ones(2, 4), None, 4, 1e-5, "silu"), "weight to be a vector"),
+    (lambda: OP(torch.randn(2, 8, 3), None, torch.ones(1), 4, 1e-5, "silu"), "bias to be a vector"),
+    (lambda: OP(torch.arange(48).reshape(2, 8, 3), None, None, 4, 1e-5, "silu"), "floating-point"),
+    (lambda: OP(torch.randn(2, 8, 3), None, None, 0, 1e-5, "silu"), "num_groups must be positive"),
+    (lambda: OP(torch.randn(2, 8, 3), None, None, 4, 1e-5, "tanh"), "unknown activation 'tanh'"),
+    (lambda: OP(torch.randn(8), None, None, 4, 1e-5, "silu"), "2-D to 5-D"),
+    (lambda: OP(torch.empty(2, 8, 3, device="meta"), torch.ones(3, device="meta"), None, 4, 1e-5, "silu"),
+     "weight to be a vector"),
+    (lambda: OP_BWD(torch.randn(2, 8, 3), torch.randn(2, 8, 3), None, None, torch.zeros(1, 4), torch.ones(1, 4), 4,
+                    "silu", [True, False, False]), "mean and rstd"),
+])
+def test_op_rejects_bad_input(call, match):
+    with pytest.raises(RuntimeError, match=match):
+        call()
+
+
+def test_op_empty_batch():
+    x = torch.empty(0, 8, 3, 3).requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    y, mean, rstd = OP(x, w, b, 4, 1e-5, "silu")
+    assert y.shape == x.shape and mean.shape == rstd.shape == (0, 4)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
+    torch.library.opcheck(torch.ops.gn_patch.group_norm_act, (x, w, b, 4, 1e-5, "silu"))
+
+
+def test_activation_must_be_a_name():
+    with pytest.raises(ValueError, match="unknown activation"):
+        gn_patch.canonical_activation(["silu"])
+
+
+def test_torchscript_is_refused_clearly():
+    with pytest.raises(RuntimeError, match="does not support TorchScript"):
+        torch.jit.script(gn_patch.GroupNormAct(2, 8))

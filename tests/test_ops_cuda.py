@@ -304,3 +304,26 @@ def test_more_than_2_31_elements():
     xt = rows[tail].double().view(-1, groups, 5)
     expected = F.silu(((xt - ref_mean[:, None]) * torch.rsqrt(ref_var + 1e-5)[:, None]).view(-1, 40) * w.double() + b.double())
     assert_close(y.permute(0, 2, 3, 1).reshape(-1, 40)[tail], expected, **TOLERANCES[torch.float16], what="y tail")
+
+
+def test_func_transforms_take_pytorch_path():
+    """torch.func.grad / jvp need derivative rules the kernel op lacks: the public function must not use it."""
+    x = random_input((2, 64, 8, 8), torch.float32, "cuda")
+    v = random_input((2, 64, 8, 8), torch.float32, "cuda", seed=4)
+    fused = lambda t: gn_patch.group_norm_act(t, 32).square().sum()
+    stock = lambda t: F.silu(F.group_norm(t, 32)).square().sum()
+    torch.testing.assert_close(torch.func.grad(fused)(x), torch.func.grad(stock)(x))
+    torch.testing.assert_close(torch.func.jvp(fused, (x,), (v,))[1], torch.func.jvp(stock, (x,), (v,))[1])
+
+
+def test_double_backward_cuda():
+    x = random_input((2, 16, 4, 4), torch.float64, "cuda").to(torch.float32).requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(16, torch.float32))
+    y = OP(x, w, b, 4, 1e-5, "silu")[0]
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    y64 = F.silu(F.group_norm(x64, 4, w64, b64, 1e-5))
+    (g64,) = torch.autograd.grad(y64.square().sum(), x64, create_graph=True)
+    g64.square().sum().backward()
+    assert_close(w.grad, w64.grad, atol=1e-3 * w64.grad.abs().max().item(), rtol=1e-3, what="d(|dx|^2)/dweight")

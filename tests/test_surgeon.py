@@ -621,3 +621,18 @@ def test_transformer_output_layout_patch_is_undone():
     assert any(type(m).__qualname__ == "_ChannelsLastTransformer2DModel" for m in model.modules())
     unpatch_model(model)
     assert module_types(model) == before
+
+
+def test_unpatching_a_lone_fused_norm_is_refused():
+    """Its activation lives in the parent: unpatching only the norm would silently drop it."""
+    block = tiny_sd15_unet().down_blocks[1].resnets[0]
+    patch_model(block)
+    with pytest.raises(ValueError, match="unpatch the parent"):
+        unpatch_model(block.norm1)
+    assert unpatch_model(block) == 2
+
+
+def test_patch_pipeline_needs_a_pipeline():
+    from gn_patch.pipeline import patch_pipeline
+    with pytest.raises(TypeError, match="use gn_patch.patch_model"):
+        patch_pipeline(tiny_sd15_unet())

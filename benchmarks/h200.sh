@@ -6,7 +6,8 @@
 #   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick)
 #   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 -> $OUT/txt2img.json
 #   training   examples/compare_training.py, SD1.5 at 512², batch 8, bf16, 50 steps -> $OUT/training.json
-# Carry .whl (diffusers wheel; ../shared/device.md). Set GN_PATCH_COMMIT to the commit under test.
+# The H200 machine has no diffusers and no network: carry its wheel in .whl/ (installed into /tmp/site here).
+# Set GN_PATCH_COMMIT to the commit under test (the machine's copy of the tree has no .git).
 set -uo pipefail
 OUT=${OUT:-$PWD/.scratch/out}
 mkdir -p "$OUT"

@@ -10,7 +10,8 @@ same seed, so both see the same weights, data, noise and timesteps, then writes:
 The defaults are the acceptance run of issue 4: 50 steps of full fine-tuning of the SD1.5-architecture UNet at
 512x512, batch 8, bf16, on one GPU::
 
-    python examples/compare_training.py                      # -> benchmarks/results/h200/training.json
+    python examples/compare_training.py --output benchmarks/results/h200/training.json
+    python examples/compare_training.py --tiny --max-train-steps 3 --mixed-precision no   # CPU smoke run
 
 Arguments it does not know go to both training runs (``--gradient-checkpointing``, ``--lora-rank 4``,
 ``--tiny``, ...). ``--num-processes N`` (N > 1) runs each under ``accelerate launch --multi_gpu``.
@@ -33,13 +34,13 @@ PER_RUN_KEYS = {"no_patch", "output_dir", "log_json", "gn_patch"}
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "h200" / "training.json")
+    parser.add_argument("--output", type=Path, default=Path("training.json"), help="result JSON (default: %(default)s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
                         help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--commit", help="commit to record (default: `git rev-parse HEAD` of the repository)")
-    parser.add_argument("--resolution", type=int, default=512)
-    parser.add_argument("--train-batch-size", type=int, default=8, help="per device")
+    parser.add_argument("--resolution", type=int, help="image size (default: 512; the training script's with --tiny)")
+    parser.add_argument("--train-batch-size", type=int, help="per device (default: 8; 1 with --tiny)")
     parser.add_argument("--max-train-steps", type=int, default=50)
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16")
     return parser.parse_known_args(argv)
@@ -56,9 +57,13 @@ def train(args: argparse.Namespace, extra: list[str], patched: bool) -> dict:
     run_dir = args.work_dir / ("patched" if patched else "stock")
     log_path = run_dir / "log.json"
     log_path.unlink(missing_ok=True)  # a failed run must not leave an old log to be read
+    tiny = "--tiny" in extra
+    resolution = args.resolution or (None if tiny else 512)
+    batch = args.train_batch_size or (None if tiny else 8)
     command = [
         *launcher(args.num_processes), str(TRAIN_SCRIPT),
-        "--resolution", str(args.resolution), "--train-batch-size", str(args.train_batch_size),
+        *(["--resolution", str(resolution)] if resolution else []),
+        *(["--train-batch-size", str(batch)] if batch else []),
         "--max-train-steps", str(args.max_train_steps), "--mixed-precision", args.mixed_precision,
         "--output-dir", str(run_dir), "--log-json", str(log_path), *extra,
     ]

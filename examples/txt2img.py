@@ -38,7 +38,7 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DiffusionPipeline, StableDi
 
 # Run from a checkout without installing: the repository root holds the gn_patch package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gn_patch import configs  # noqa: E402
+from gn_patch import configs, extension  # noqa: E402
 from gn_patch.pipeline import patch_pipeline  # noqa: E402
 
 PROMPT_TOKENS = 77  # CLIP's context length
@@ -57,7 +57,11 @@ TINY_ARCHS = {  # --tiny (CI): the same structures, a few hundred thousand param
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python examples/txt2img.py --check-fp32                      # SD1.5, 512x512, CUDA\n"
+               "  python examples/txt2img.py --arch sdxl --height 1024 --width 1024 --check-fp32\n"
+               "  python examples/txt2img.py --device cpu --steps 2 --height 64 --width 64   # CPU smoke run")
     parser.add_argument("--model", help="diffusers SD1.x/SDXL folder or hub id (default: random weights of --arch)")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="sd15",
                         help="architecture built without --model (default: %(default)s)")
@@ -228,9 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
         psnr_patched_vs_stock_db=psnr(patched, stock),
         psnr_patched_vs_fp32_db=psnr(patched, reference) if reference is not None else None,
         psnr_stock_vs_fp32_db=psnr(stock, reference) if reference is not None else None,
+        cuda_kernels=args.device.type == "cuda" and extension.kernels_available(),
         commit=git_commit(),
     )
     print(report)
+    if not result["cuda_kernels"]:
+        print(f"note: gn_patch's CUDA kernels are not in use on {args.device}: the patched run takes PyTorch's "
+              "GroupNorm path, so its time says nothing about the kernels")
     print(f"{args.model or 'random ' + result['arch']}: {height}x{width}, {args.steps} steps, batch "
           f"{args.batch_size}, {args.dtype}, {args.device}")
     print(f"stock   {stock_s:8.3f} s\npatched {patched_s:8.3f} s\nspeedup {stock_s / patched_s:8.3f}x")

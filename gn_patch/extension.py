@@ -70,9 +70,11 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
     if torch.version.cuda is None:
         raise BuildError(f"torch {torch.__version__} is a CPU-only build; the kernels need a CUDA build of torch")
     arch = _arch(arch)
+    cuda_home = _cuda_home()
+    os.environ.setdefault("CUDA_HOME", cuda_home)  # read by cpp_extension at import: no misleading guess there
     from torch.utils import cpp_extension
 
-    cpp_extension.CUDA_HOME = _cuda_home()
+    cpp_extension.CUDA_HOME = cuda_home
     directory = build_directory(arch)
     directory.mkdir(parents=True, exist_ok=True)
     previous = os.environ.get("TORCH_CUDA_ARCH_LIST")

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import inspect
 import types
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -140,13 +141,15 @@ _VERIFIED_SOURCES = {
 _VERIFIED_TRANSFORMER_OUTPUT = {"080aa7e5536f6b0c"}
 
 
+_VERSION_SKIP = "is not the code the surgeon was checked against (diffusers 0.42.1)"
+
+
 @functools.cache
 def _unverified(cls: type) -> str | None:
     """Why ``cls.forward`` cannot be relied on (not the code the surgeon was checked against), None when it can."""
     if _source_digest(cls.forward) in _VERIFIED_SOURCES[cls]:
         return None
-    return (f"{cls.__name__}.forward of the installed diffusers {diffusers.__version__} is not the code the surgeon "
-            "was checked against (diffusers 0.42.1)")
+    return f"{cls.__name__}.forward of the installed diffusers {diffusers.__version__} {_VERSION_SKIP}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -618,6 +621,10 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
         elif (isinstance(module, nn.GroupNorm) and not isinstance(module, GroupNormAct)
               and id(module) not in surgery.seen):
             surgery.note(surgery.report.skipped, name, module, _unknown_use(model, name))
+    version_skips = [reason for _, reason in surgery.report.skipped if _VERSION_SKIP in reason]
+    if version_skips:
+        warnings.warn(f"gn_patch: {len(version_skips)} GroupNorm(s) left unfused: {version_skips[0]}",
+                      RuntimeWarning, stacklevel=2)
     if channels_last:
         surgery.report.channels_last = _set_conv_layout(model, torch.channels_last)
         if surgery.report.channels_last:

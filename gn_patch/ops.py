@@ -235,11 +235,14 @@ def _is_channels_last(x: torch.Tensor) -> bool:
     return dim == 2 and x.is_contiguous()
 
 
+def _transform_active(x: torch.Tensor) -> bool:
+    """A torch.func transform or forward-mode AD is in effect: they need derivative rules the kernel op lacks.
+    Never under torch.compile tracing (dynamo cannot trace the functorch query; it handles transforms itself)."""
+    return not torch.compiler.is_compiling() and (_is_functorch_wrapped(x) or _forward_ad._current_level >= 0)
+
+
 def _kernel_covers(x, weight, bias) -> bool:
-    if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and _is_channels_last(x)):
-        return False
-    # torch.func transforms and forward-mode AD need derivative rules the kernel op does not have.
-    if _is_functorch_wrapped(x) or _forward_ad._current_level >= 0:
+    if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and _is_channels_last(x)) or _transform_active(x):
         return False
     if x.numel() == 0 and x.shape[0] != 0:
         return False

@@ -266,3 +266,39 @@ def test_activation_must_be_a_name():
 def test_torchscript_is_refused_clearly():
     with pytest.raises(RuntimeError, match="does not support TorchScript"):
         torch.jit.script(gn_patch.GroupNormAct(2, 8))
+
+
+def test_transform_detection_and_tracing():
+    """torch.func and forward AD are detected (the kernel op has no rules for them), and the check itself
+    traces under torch.compile(fullgraph=True)."""
+    import torch.autograd.forward_ad as fwAD
+
+    from gn_patch.ops import _transform_active
+
+    x = torch.randn(2, 8, 3)
+    assert not _transform_active(x)
+    seen = []
+    torch.func.grad(lambda t: (seen.append(_transform_active(t)), t.sum())[1])(x)
+    with fwAD.dual_level():
+        seen.append(_transform_active(fwAD.make_dual(x, torch.ones_like(x))))
+    assert seen == [True, True]
+    compiled = torch.compile(lambda t: t * 2 if not _transform_active(t) else t, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), x * 2)
+
+
+def test_compiled_backward_uses_the_backward_op():
+    """Under torch.compile the backward graph keeps the fused backward op (not a recomputation)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_ops = set()
+
+    def record_backward(gm, _inputs):
+        backward_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=record_backward)
+    compiled = torch.compile(lambda x, w, b: OP(x, w, b, 4, 1e-5, "silu")[0].sum(), backend=backend, fullgraph=True)
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    compiled(x, w, b).backward()
+    assert "gn_patch.group_norm_act_backward.default" in backward_ops

@@ -21,7 +21,7 @@ for step in "$@"; do
   case $step in
     build) python3 -m gn_patch.build 2>&1 | tail -5 || status=1 ;;
     tests)
-      python3 -m pytest tests -m gpu -q -x --maxfail=20 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
+      python3 -m pytest tests -m gpu -q --maxfail=20 --durations=20 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
         > "$OUT/gpu_tests.log" 2>&1
       tail -15 "$OUT/gpu_tests.log"
       python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" || status=1 ;;

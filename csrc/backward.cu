@@ -33,7 +33,25 @@ struct LaneParams {
       bias[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f);
     }
   }
+
+  // (xhat, du) of lane j for input x and output gradient dy.
+  template <Act A>
+  __device__ __forceinline__ float2 xhat_du(float x, float dy, int j) const {
+    const float z = (x - mean[j]) * rstd[j];
+    return make_float2(z, dy * Activation<A>::df(fmaf(z, w[j], bias[j])));
+  }
 };
+
+// The same spatial position of x and dy.
+template <typename T, int V>
+struct RowPair {
+  Pack<T, V> x, dy;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ RowPair<T, V> load_row_pair(const BackwardArgs& a, int64_t index) {
+  return {load_pack<T, V>(static_cast<const T*>(a.x) + index), load_pack<T, V>(static_cast<const T*>(a.dy) + index)};
+}
 
 // sum du and sum du * xhat of this thread's channels over its rows.
 template <typename T, int V, Act A>
@@ -43,44 +61,21 @@ __device__ __forceinline__ void thread_grad_sums(const BackwardArgs& a, const Bl
   for (int j = 0; j < V; ++j) acc[j] = make_float2(0.f, 0.f);
   if (!b.active) return;
   const Geometry& g = a.geo;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  const int64_t step = g.block_rows;
-  int64_t r = b.row_begin + b.rowlane;
-  for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
-    Pack<T, V> xraw[kUnroll], graw[kUnroll];
+  for_rows<kUnroll>(
+      b.row_begin + b.rowlane, b.row_end, g.block_rows,
+      [&](int64_t r) { return load_row_pair<T, V>(a, offset + r * g.C); },
+      [&](int64_t, const RowPair<T, V>& row) {
+        float xv[V], gv[V];
+        unpack<T, V>(row.x, xv);
+        unpack<T, V>(row.dy, gv);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      xraw[u] = load_pack<T, V>(x + offset + (r + u * step) * g.C);
-      graw[u] = load_pack<T, V>(dy + offset + (r + u * step) * g.C);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float xv[V], gv[V];
-      unpack<T, V>(xraw[u], xv);
-      unpack<T, V>(graw[u], gv);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float z = (xv[j] - p.mean[j]) * p.rstd[j];
-        const float du = gv[j] * Activation<A>::df(fmaf(z, p.w[j], p.bias[j]));
-        acc[j].x += du;
-        acc[j].y = fmaf(du, z, acc[j].y);
-      }
-    }
-  }
-  for (; r < b.row_end; r += step) {
-    float xv[V], gv[V];
-    load_vec<T, V>(x + offset + r * g.C, xv);
-    load_vec<T, V>(dy + offset + r * g.C, gv);
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float z = (xv[j] - p.mean[j]) * p.rstd[j];
-      const float du = gv[j] * Activation<A>::df(fmaf(z, p.w[j], p.bias[j]));
-      acc[j].x += du;
-      acc[j].y = fmaf(du, z, acc[j].y);
-    }
-  }
+        for (int j = 0; j < V; ++j) {
+          const float2 zd = p.template xhat_du<A>(xv[j], gv[j], j);
+          acc[j].x += zd.y;
+          acc[j].y = fmaf(zd.y, zd.x, acc[j].y);
+        }
+      });
 }
 
 // dx over this thread's rows; coef[j] = (mean_g(w*du), mean_g(w*du*xhat)) of lane j's group.
@@ -89,39 +84,22 @@ __device__ __forceinline__ void dx_rows(const BackwardArgs& a, const BlockCoord&
                                         const float2 (&coef)[V]) {
   if (!b.active) return;
   const Geometry& g = a.geo;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
   T* dx = static_cast<T*>(a.dx);
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  const int64_t step = g.block_rows;
-  int64_t r = b.row_begin + b.rowlane;
-  auto grad = [&](float xj, float gj, int j) {
-    const float z = (xj - p.mean[j]) * p.rstd[j];
-    const float du = gj * Activation<A>::df(fmaf(z, p.w[j], p.bias[j]));
-    return p.rstd[j] * (p.w[j] * du - coef[j].x - z * coef[j].y);
-  };
-  for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
-    float xv[kUnroll][V], gv[kUnroll][V];
+  for_rows<kUnroll>(
+      b.row_begin + b.rowlane, b.row_end, g.block_rows,
+      [&](int64_t r) { return load_row_pair<T, V>(a, offset + r * g.C); },
+      [&](int64_t r, const RowPair<T, V>& row) {
+        float xv[V], gv[V];
+        unpack<T, V>(row.x, xv);
+        unpack<T, V>(row.dy, gv);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      load_vec<T, V>(x + offset + (r + u * step) * g.C, xv[u]);
-      load_vec<T, V>(dy + offset + (r + u * step) * g.C, gv[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) xv[u][j] = grad(xv[u][j], gv[u][j], j);
-      store_vec<T, V>(dx + offset + (r + u * step) * g.C, xv[u]);
-    }
-  }
-  for (; r < b.row_end; r += step) {
-    float xv[V], gv[V];
-    load_vec<T, V>(x + offset + r * g.C, xv);
-    load_vec<T, V>(dy + offset + r * g.C, gv);
-#pragma unroll
-    for (int j = 0; j < V; ++j) xv[j] = grad(xv[j], gv[j], j);
-    store_vec<T, V>(dx + offset + r * g.C, xv);
-  }
+        for (int j = 0; j < V; ++j) {
+          const float2 zd = p.template xhat_du<A>(xv[j], gv[j], j);
+          xv[j] = p.rstd[j] * (p.w[j] * zd.y - coef[j].x - zd.x * coef[j].y);
+        }
+        store_vec<T, V>(dx + offset + r * g.C, xv);
+      });
 }
 
 // w[c] * (sum du, sum du*xhat) of tile channel i, from the per-channel sums in shared memory.

@@ -110,11 +110,6 @@ __device__ __forceinline__ void unpack(const Pack<T, V>& pack, float (&out)[V]) 
 }
 
 template <typename T, int V>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[V]) {
-  unpack<T, V>(load_pack<T, V>(p), out);
-}
-
-template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const float (&in)[V]) {
   Pack<T, V> pack;
 #pragma unroll
@@ -208,16 +203,29 @@ __device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool revers
   return b;
 }
 
-// Rows this thread visits in [row_begin, row_end) with stride block_rows.
-__device__ __forceinline__ float rows_of_lane(int64_t row_begin, int64_t row_end, int rowlane, int block_rows) {
-  const int64_t first = row_begin + rowlane;
-  return first < row_end ? (float)((row_end - first + block_rows - 1) / block_rows) : 0.f;
-}
-
-// Rows processed per loop iteration by each thread; loads of all of them are issued before use.
+// Rows processed per batch by each thread in passes that store (normalize, dx).
 constexpr int kUnroll = 4;
 // Reduction passes (no stores to overlap with) keep more rows in flight, as raw 16-byte packs: 128 bytes
 // per thread in 32 registers.
 constexpr int kReduceUnroll = 8;
+
+// Visits rows r = first, first + step, ... < end in batches of U: `load(r)` for every row of a batch is
+// issued before `use(r, loaded)` runs on any of them. The loads of a partial batch are predicated rather than
+// left to a scalar tail loop, so a thread with few rows (small images, many splits) waits for one memory
+// round trip per batch instead of one per row: on small tensors this latency, not bandwidth, is the cost.
+template <int U, typename Load, typename Use>
+__device__ __forceinline__ void for_rows(int64_t first, int64_t end, int64_t step, Load load, Use use) {
+  for (int64_t r = first; r < end; r += U * step) {
+    decltype(load(r)) loaded[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (r + u * step < end) loaded[u] = load(r + u * step);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (r + u * step < end) use(r + u * step, loaded[u]);
+    }
+  }
+}
 
 }  // namespace gn_patch

@@ -1,7 +1,8 @@
 // Forward: y = act((x - mean[n,g]) * rstd[n,g] * weight[c] + bias[c]) on channels-last (N, S, C) data.
 //
 // Fused geometry (small images or many of them): one kernel, grid (N * tiles): each block gathers the
-// statistics of whole groups, then normalises the same rows (a second read that hits L2).
+// statistics of whole groups, then normalises the same rows, kept in registers when each thread has at most
+// kReduceUnroll of them, else read a second time (from L2).
 // Split geometry (few images, many rows: e.g. a batch-1 VAE decode has N*G = 32 groups for 132 SMs):
 //   1. stats_partial  grid (N * splits * tiles): (mean, m2) of one row range per group (or channel) -> scratch
 //   2. stats_finalize one block per (n, g): Chan-combines the splits' partials -> mean, rstd (+ mean offset)
@@ -21,103 +22,113 @@ __device__ __forceinline__ float group_reference(const T* x, const Geometry& g, 
   return to_float(x[n * g.S * g.C + group * g.D]);
 }
 
+// Per lane j (channel c0 + j): its group's reference value and the affine parameters. Loaded before the data
+// rows, so that these dependent-free loads overlap the data's instead of following the reductions.
+template <int V>
+struct LaneAffine {
+  float ref[V], weight[V], bias[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void lane_reference(const T* x, const Geometry& g, const BlockCoord& b, float (&ref)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) ref[j] = b.active ? group_reference(x, g, b.n, (b.c0 + j) / g.D) : 0.f;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ LaneAffine<V> load_lane_affine(const ForwardArgs& a, const BlockCoord& b) {
+  LaneAffine<V> p;
+  lane_reference<T, V>(static_cast<const T*>(a.x), a.geo, b, p.ref);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int64_t c = b.active ? b.c0 + j : 0;
+    p.weight[j] = load_param<T>(a.weight, a.params_fp32, c, 1.f);
+    p.bias[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f);
+  }
+  return p;
+}
+
+// Per-channel sums of d = x - ref over the rows one thread visits. Few rows per thread, so the plain sums lose
+// little to cancellation; the block then combines the threads' results as Welford triples.
+template <int V>
+struct ShiftedSums {
+  float s1[V] = {}, s2[V] = {};
+  float count = 0.f;
+
+  template <typename T>
+  __device__ __forceinline__ void add(const Pack<T, V>& raw, const float (&ref)[V]) {
+    float v[V];
+    unpack<T, V>(raw, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float d = v[j] - ref[j];
+      s1[j] += d;
+      s2[j] = fmaf(d, d, s2[j]);
+    }
+    count += 1.f;
+  }
+
+  __device__ __forceinline__ void to_welford(Welford (&w)[V]) const {
+    const float inv = count > 0.f ? 1.f / count : 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      w[j].mean = s1[j] * inv;
+      w[j].m2 = fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.f);
+      w[j].count = count;
+    }
+  }
+};
+
 // Per-thread statistics of its V channels over the rows it visits, as Welford triples whose means are
 // offsets from the channel's group reference.
 template <typename T, int V>
-__device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, const BlockCoord& b, Welford (&w)[V]) {
-  float shift[V], s1[V], s2[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    shift[j] = b.active ? group_reference(x, g, b.n, (b.c0 + j) / g.D) : 0.f;
-    s1[j] = s2[j] = 0.f;
-  }
-  const int64_t step = g.block_rows;
-  int64_t r = b.row_begin + b.rowlane;
-  const T* base = x + b.n * g.S * g.C + b.c0;
+__device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, const BlockCoord& b, const float (&ref)[V],
+                                             Welford (&w)[V]) {
+  ShiftedSums<V> sums;
   if (b.active) {
-    for (; r + (kReduceUnroll - 1) * step < b.row_end; r += kReduceUnroll * step) {
-      Pack<T, V> raw[kReduceUnroll];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) raw[u] = load_pack<T, V>(base + (r + u * step) * g.C);
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        float v[V];
-        unpack<T, V>(raw[u], v);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float d = v[j] - shift[j];
-          s1[j] += d;
-          s2[j] = fmaf(d, d, s2[j]);
-        }
-      }
-    }
-    for (; r < b.row_end; r += step) {
-      float v[V];
-      load_vec<T, V>(base + r * g.C, v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float d = v[j] - shift[j];
-        s1[j] += d;
-        s2[j] = fmaf(d, d, s2[j]);
-      }
-    }
+    const T* base = x + b.n * g.S * g.C + b.c0;
+    for_rows<kReduceUnroll>(
+        b.row_begin + b.rowlane, b.row_end, g.block_rows, [&](int64_t r) { return load_pack<T, V>(base + r * g.C); },
+        [&](int64_t, const Pack<T, V>& raw) { sums.add(raw, ref); });
   }
-  const float count = b.active ? rows_of_lane(b.row_begin, b.row_end, b.rowlane, g.block_rows) : 0.f;
-  const float inv = count > 0.f ? 1.f / count : 0.f;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    w[j].mean = s1[j] * inv;
-    w[j].m2 = fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.f);
-    w[j].count = count;
-  }
+  sums.to_welford(w);
 }
 
-// y = act((x - ref) * scale + shift) over this thread's rows; ref is the group reference (x - ref is exact
-// for x near it), scale and shift fold weight, bias, the mean offset and rstd.
+// y = act((x - ref) * scale + shift) of one row; ref is the group reference (x - ref is exact for x near it),
+// scale and shift fold weight, bias, the mean offset and rstd.
+template <typename T, int V, Act A>
+__device__ __forceinline__ void normalize_row(const Pack<T, V>& raw, T* y, const float (&ref)[V],
+                                              const float (&scale)[V], const float (&shift)[V]) {
+  float v[V];
+  unpack<T, V>(raw, v);
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j] - ref[j], scale[j], shift[j]));
+  store_vec<T, V>(y, v);
+}
+
 template <typename T, int V, Act A>
 __device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry& g, const BlockCoord& b,
                                                const float (&ref)[V], const float (&scale)[V],
                                                const float (&shift)[V]) {
   if (!b.active) return;
-  const int64_t step = g.block_rows;
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  int64_t r = b.row_begin + b.rowlane;
-  for (; r + (kUnroll - 1) * step < b.row_end; r += kUnroll * step) {
-    float v[kUnroll][V];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_vec<T, V>(x + offset + (r + u * step) * g.C, v[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[u][j] = Activation<A>::f(fmaf(v[u][j] - ref[j], scale[j], shift[j]));
-      store_vec<T, V>(y + offset + (r + u * step) * g.C, v[u]);
-    }
-  }
-  for (; r < b.row_end; r += step) {
-    float v[V];
-    load_vec<T, V>(x + offset + r * g.C, v);
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j] - ref[j], scale[j], shift[j]));
-    store_vec<T, V>(y + offset + r * g.C, v);
-  }
+  for_rows<kUnroll>(
+      b.row_begin + b.rowlane, b.row_end, g.block_rows,
+      [&](int64_t r) { return load_pack<T, V>(x + offset + r * g.C); },
+      [&](int64_t r, const Pack<T, V>& raw) { normalize_row<T, V, A>(raw, y + offset + r * g.C, ref, scale, shift); });
 }
 
-// Per lane: the group reference, scale = rstd * weight and shift = bias - mean_offset * scale, with the
-// group's mean offset and rstd read at index (group - group_base).
-template <typename T, int V>
-__device__ __forceinline__ void fold_affine(const ForwardArgs& a, const BlockCoord& b, const float* mean_offset,
-                                            const float* rstd, int64_t group_base, float (&ref)[V],
+// Per lane: scale = rstd * weight and shift = bias - mean_offset * scale, with the group's mean offset and rstd
+// read at index (group - group_base).
+template <int V>
+__device__ __forceinline__ void fold_affine(const LaneAffine<V>& p, const Geometry& g, const BlockCoord& b,
+                                            const float* mean_offset, const float* rstd, int64_t group_base,
                                             float (&scale)[V], float (&shift)[V]) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) ref[j] = scale[j] = shift[j] = 0.f;
-  if (!b.active) return;
-#pragma unroll
   for (int j = 0; j < V; ++j) {
-    const int64_t c = b.c0 + j;
-    const int64_t group = c / a.geo.D;
-    ref[j] = group_reference(static_cast<const T*>(a.x), a.geo, b.n, group);
-    scale[j] = rstd[group - group_base] * load_param<T>(a.weight, a.params_fp32, c, 1.f);
-    shift[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f) - mean_offset[group - group_base] * scale[j];
+    const int64_t group = b.active ? (b.c0 + j) / g.D - group_base : 0;
+    scale[j] = b.active ? rstd[group] * p.weight[j] : 0.f;
+    shift[j] = b.active ? p.bias[j] - mean_offset[group] * scale[j] : 0.f;
   }
 }
 
@@ -126,8 +137,10 @@ __global__ void stats_partial_kernel(const ForwardArgs a) {
   __shared__ Welford smem[kMaxThreads * V];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g, /*reverse=*/false);
+  float ref[V];
+  lane_reference<T, V>(static_cast<const T*>(a.x), g, b, ref);
   Welford w[V];
-  thread_stats<T, V>(static_cast<const T*>(a.x), g, b, w);
+  thread_stats<T, V>(static_cast<const T*>(a.x), g, b, ref, w);
   reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
   float2* out = reinterpret_cast<float2*>(a.partials) + (b.n * g.splits + b.split) * (g.group_tiles ? g.G : g.C);
   if (g.group_tiles) {
@@ -167,14 +180,17 @@ __global__ void stats_finalize_kernel(const ForwardArgs a) {
 template <typename T, int V, Act A>
 __global__ void normalize_kernel(const ForwardArgs a) {
   const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
-  float ref[V], scale[V], shift[V];
+  const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
+  float scale[V], shift[V];
   const int64_t stats = b.n * a.geo.G;
-  fold_affine<T, V>(a, b, a.mean_offsets + stats, a.rstd + stats, 0, ref, scale, shift);
-  normalize_rows<T, V, A>(static_cast<const T*>(a.x), static_cast<T*>(a.y), a.geo, b, ref, scale, shift);
+  fold_affine<V>(p, a.geo, b, a.mean_offsets + stats, a.rstd + stats, 0, scale, shift);
+  normalize_rows<T, V, A>(static_cast<const T*>(a.x), static_cast<T*>(a.y), a.geo, b, p.ref, scale, shift);
 }
 
-// Fused geometry: the block's tile is whole groups and it sees every row of its image.
-template <typename T, int V, Act A>
+// Fused geometry: the block's tile is whole groups and it sees every row of its image. kResident: every thread
+// has at most kReduceUnroll rows (Geometry::resident()), which are read once, kept in registers for the
+// normalisation, and so cost one memory round trip; otherwise the normalisation reads them again (from L2).
+template <typename T, int V, Act A, bool kResident>
 __global__ void fused_forward_kernel(const ForwardArgs a) {
   __shared__ Welford smem[kMaxThreads * V];
   __shared__ float group_offset[kMaxThreads * V];
@@ -182,9 +198,26 @@ __global__ void fused_forward_kernel(const ForwardArgs a) {
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g, /*reverse=*/false);
   const T* x = static_cast<const T*>(a.x);
+  const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
+  const int64_t first = b.rowlane, step = g.block_rows, offset = b.n * g.S * g.C + b.c0;
+  auto resident_row = [&](int u) { return b.active && first + u * step < g.S; };
+  Pack<T, V> rows[kResident ? kReduceUnroll : 1];
   {
     Welford w[V];
-    thread_stats<T, V>(x, g, b, w);
+    if constexpr (kResident) {
+      ShiftedSums<V> sums;
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (resident_row(u)) rows[u] = load_pack<T, V>(x + offset + (first + u * step) * g.C);
+      }
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (resident_row(u)) sums.add(rows[u], p.ref);
+      }
+      sums.to_welford(w);
+    } else {
+      thread_stats<T, V>(x, g, b, p.ref, w);
+    }
     reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
   }
   // smem[i] now holds channel (tile start + i); warps take the tile's groups in turn.
@@ -199,9 +232,17 @@ __global__ void fused_forward_kernel(const ForwardArgs a) {
         a.rstd[b.n * g.G + group_base + gl] = rstd;
       });
   __syncthreads();
-  float ref[V], scale[V], shift[V];
-  fold_affine<T, V>(a, b, group_offset, group_rstd, group_base, ref, scale, shift);
-  normalize_rows<T, V, A>(x, static_cast<T*>(a.y), g, b, ref, scale, shift);
+  float scale[V], shift[V];
+  fold_affine<V>(p, g, b, group_offset, group_rstd, group_base, scale, shift);
+  T* y = static_cast<T*>(a.y);
+  if constexpr (kResident) {
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (resident_row(u)) normalize_row<T, V, A>(rows[u], y + offset + (first + u * step) * g.C, p.ref, scale, shift);
+    }
+  } else {
+    normalize_rows<T, V, A>(x, y, g, b, p.ref, scale, shift);
+  }
 }
 
 template <typename T, int V, Act A>
@@ -210,7 +251,11 @@ void launch_typed(const ForwardArgs& a, cudaStream_t stream) {
   const unsigned threads = g.threads();
   const unsigned blocks = (unsigned)g.blocks();
   if (g.fused) {
-    fused_forward_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+    if (g.resident(kReduceUnroll)) {
+      fused_forward_kernel<T, V, A, true><<<blocks, threads, 0, stream>>>(a);
+    } else {
+      fused_forward_kernel<T, V, A, false><<<blocks, threads, 0, stream>>>(a);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }

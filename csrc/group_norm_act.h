@@ -38,6 +38,8 @@ struct Geometry {
   // Whole warps: the warp-level group reductions use full-mask shuffles.
   int threads() const { return (tile_vecs * block_rows + 31) / 32 * 32; }
   int64_t blocks() const { return N * splits * tiles; }
+  // Every thread of a fused block visits at most `rows` rows (so they can stay in registers).
+  bool resident(int rows) const { return fused && S <= (int64_t)rows * block_rows; }
 };
 
 // `aligned16`: every data pointer the kernels will touch is 16-byte aligned.

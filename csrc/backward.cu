@@ -62,18 +62,19 @@ __device__ __forceinline__ void thread_grad_sums(const BackwardArgs& a, const Bl
   if (!b.active) return;
   const Geometry& g = a.geo;
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  for_rows<kUnroll>(
+  for_rows<kUnroll, kUnroll>(
       b.row_begin + b.rowlane, b.row_end, g.block_rows,
       [&](int64_t r) { return load_row_pair<T, V>(a, offset + r * g.C); },
-      [&](int64_t, const RowPair<T, V>& row) {
+      [&](int64_t, const RowPair<T, V>& row, bool valid) {
         float xv[V], gv[V];
         unpack<T, V>(row.x, xv);
         unpack<T, V>(row.dy, gv);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const float2 zd = p.template xhat_du<A>(xv[j], gv[j], j);
-          acc[j].x += zd.y;
-          acc[j].y = fmaf(zd.y, zd.x, acc[j].y);
+          const float du = valid ? zd.y : 0.f;
+          acc[j].x += du;
+          acc[j].y = fmaf(du, zd.x, acc[j].y);
         }
       });
 }
@@ -86,10 +87,10 @@ __device__ __forceinline__ void dx_rows(const BackwardArgs& a, const BlockCoord&
   const Geometry& g = a.geo;
   T* dx = static_cast<T*>(a.dx);
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  for_rows<kUnroll>(
+  for_rows<kUnroll, kUnroll>(
       b.row_begin + b.rowlane, b.row_end, g.block_rows,
       [&](int64_t r) { return load_row_pair<T, V>(a, offset + r * g.C); },
-      [&](int64_t r, const RowPair<T, V>& row) {
+      [&](int64_t r, const RowPair<T, V>& row, bool valid) {
         float xv[V], gv[V];
         unpack<T, V>(row.x, xv);
         unpack<T, V>(row.dy, gv);
@@ -98,7 +99,7 @@ __device__ __forceinline__ void dx_rows(const BackwardArgs& a, const BlockCoord&
           const float2 zd = p.template xhat_du<A>(xv[j], gv[j], j);
           xv[j] = p.rstd[j] * (p.w[j] * zd.y - coef[j].x - zd.x * coef[j].y);
         }
-        store_vec<T, V>(dx + offset + r * g.C, xv);
+        if (valid) store_vec<T, V>(dx + offset + r * g.C, xv);
       });
 }
 
@@ -110,7 +111,7 @@ __device__ __forceinline__ float2 weighted(const BackwardArgs& a, const float2* 
 }
 
 template <typename T, int V, Act A>
-__global__ void grad_partial_kernel(const BackwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kGradBlocksPerSm) grad_partial_kernel(const BackwardArgs a) {
   __shared__ float2 smem[kMaxThreads * V];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g, /*reverse=*/false);
@@ -161,7 +162,7 @@ __global__ void grad_finalize_kernel(const BackwardArgs a) {
 }
 
 template <typename T, int V, Act A>
-__global__ void dx_kernel(const BackwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kGradBlocksPerSm) dx_kernel(const BackwardArgs a) {
   const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
   const LaneParams<T, V> p(a, b);
   float2 coef[V];
@@ -172,7 +173,7 @@ __global__ void dx_kernel(const BackwardArgs a) {
 
 // Fused geometry: one block holds whole groups over all rows of its image.
 template <typename T, int V, Act A>
-__global__ void fused_backward_kernel(const BackwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kGradBlocksPerSm) fused_backward_kernel(const BackwardArgs a) {
   __shared__ float2 smem[kMaxThreads * V];
   __shared__ float2 group_coef[kMaxThreads * V];
   const Geometry& g = a.geo;

@@ -210,21 +210,29 @@ constexpr int kUnroll = 4;
 constexpr int kReduceUnroll = 8;
 
 // Visits rows r = first, first + step, ... < end in batches of U: `load(r)` for every row of a batch is
-// issued before `use(r, loaded)` runs on any of them. The loads of a partial batch are predicated rather than
-// left to a scalar tail loop, so a thread with few rows (small images, many splits) waits for one memory
-// round trip per batch instead of one per row: on small tensors this latency, not bandwidth, is the cost.
-template <int U, typename Load, typename Use>
+// issued before `use(r, loaded, valid)` runs on any of them. A partial last batch loads the last row again in
+// place of the missing ones (an L1 hit) and passes valid = false for them, rather than falling back to a
+// tail loop: a thread with few rows (small images, many splits) then waits for one memory round trip per
+// batch instead of one per row, and on small tensors this latency, not bandwidth, is the cost.
+// `use` must be branch-free in `valid` up to its stores (select, don't skip): ptxas then allocates registers
+// as for a plain unrolled loop, where skipped or predicated uses cost 15-60 registers more per thread.
+// The last rows go in batches of UTail <= U (U full rows, then UTail clamped ones, fit the same registers).
+template <int U, int UTail, typename Load, typename Use>
 __device__ __forceinline__ void for_rows(int64_t first, int64_t end, int64_t step, Load load, Use use) {
-  for (int64_t r = first; r < end; r += U * step) {
+  int64_t r = first;
+  for (; r + (U - 1) * step < end; r += U * step) {
     decltype(load(r)) loaded[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (r + u * step < end) loaded[u] = load(r + u * step);
-    }
+    for (int u = 0; u < U; ++u) loaded[u] = load(r + u * step);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (r + u * step < end) use(r + u * step, loaded[u]);
-    }
+    for (int u = 0; u < U; ++u) use(r + u * step, loaded[u], true);
+  }
+  for (; r < end; r += UTail * step) {
+    decltype(load(r)) loaded[UTail];
+#pragma unroll
+    for (int u = 0; u < UTail; ++u) loaded[u] = load(min(r + u * step, end - 1));
+#pragma unroll
+    for (int u = 0; u < UTail; ++u) use(r + u * step, loaded[u], r + u * step < end);
   }
 }
 

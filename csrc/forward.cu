@@ -55,17 +55,18 @@ struct ShiftedSums {
   float s1[V] = {}, s2[V] = {};
   float count = 0.f;
 
+  // Adds one row when `valid` (else adds zeros: branch-free, see for_rows).
   template <typename T>
-  __device__ __forceinline__ void add(const Pack<T, V>& raw, const float (&ref)[V]) {
+  __device__ __forceinline__ void add(const Pack<T, V>& raw, const float (&ref)[V], bool valid) {
     float v[V];
     unpack<T, V>(raw, v);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float d = v[j] - ref[j];
+      const float d = valid ? v[j] - ref[j] : 0.f;
       s1[j] += d;
       s2[j] = fmaf(d, d, s2[j]);
     }
-    count += 1.f;
+    count += valid ? 1.f : 0.f;
   }
 
   __device__ __forceinline__ void to_welford(Welford (&w)[V]) const {
@@ -87,9 +88,9 @@ __device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, cons
   ShiftedSums<V> sums;
   if (b.active) {
     const T* base = x + b.n * g.S * g.C + b.c0;
-    for_rows<kReduceUnroll>(
+    for_rows<kReduceUnroll, kUnroll>(
         b.row_begin + b.rowlane, b.row_end, g.block_rows, [&](int64_t r) { return load_pack<T, V>(base + r * g.C); },
-        [&](int64_t, const Pack<T, V>& raw) { sums.add(raw, ref); });
+        [&](int64_t, const Pack<T, V>& raw, bool valid) { sums.add(raw, ref, valid); });
   }
   sums.to_welford(w);
 }
@@ -98,12 +99,12 @@ __device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, cons
 // scale and shift fold weight, bias, the mean offset and rstd.
 template <typename T, int V, Act A>
 __device__ __forceinline__ void normalize_row(const Pack<T, V>& raw, T* y, const float (&ref)[V],
-                                              const float (&scale)[V], const float (&shift)[V]) {
+                                              const float (&scale)[V], const float (&shift)[V], bool valid) {
   float v[V];
   unpack<T, V>(raw, v);
 #pragma unroll
   for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j] - ref[j], scale[j], shift[j]));
-  store_vec<T, V>(y, v);
+  if (valid) store_vec<T, V>(y, v);
 }
 
 template <typename T, int V, Act A>
@@ -112,10 +113,12 @@ __device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry&
                                                const float (&shift)[V]) {
   if (!b.active) return;
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  for_rows<kUnroll>(
+  for_rows<kUnroll, kUnroll / 2>(
       b.row_begin + b.rowlane, b.row_end, g.block_rows,
       [&](int64_t r) { return load_pack<T, V>(x + offset + r * g.C); },
-      [&](int64_t r, const Pack<T, V>& raw) { normalize_row<T, V, A>(raw, y + offset + r * g.C, ref, scale, shift); });
+      [&](int64_t r, const Pack<T, V>& raw, bool valid) {
+        normalize_row<T, V, A>(raw, y + offset + r * g.C, ref, scale, shift, valid);
+      });
 }
 
 // Per lane: scale = rstd * weight and shift = bias - mean_offset * scale, with the group's mean offset and rstd
@@ -133,7 +136,7 @@ __device__ __forceinline__ void fold_affine(const LaneAffine<V>& p, const Geomet
 }
 
 template <typename T, int V>
-__global__ void stats_partial_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kStatsBlocksPerSm) stats_partial_kernel(const ForwardArgs a) {
   __shared__ Welford smem[kMaxThreads * V];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g, /*reverse=*/false);
@@ -178,7 +181,7 @@ __global__ void stats_finalize_kernel(const ForwardArgs a) {
 }
 
 template <typename T, int V, Act A>
-__global__ void normalize_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kNormalizeBlocksPerSm) normalize_kernel(const ForwardArgs a) {
   const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
   const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
   float scale[V], shift[V];
@@ -191,7 +194,7 @@ __global__ void normalize_kernel(const ForwardArgs a) {
 // has at most kReduceUnroll rows (Geometry::resident()), which are read once, kept in registers for the
 // normalisation, and so cost one memory round trip; otherwise the normalisation reads them again (from L2).
 template <typename T, int V, Act A, bool kResident>
-__global__ void fused_forward_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, kFusedBlocksPerSm) fused_forward_kernel(const ForwardArgs a) {
   __shared__ Welford smem[kMaxThreads * V];
   __shared__ float group_offset[kMaxThreads * V];
   __shared__ float group_rstd[kMaxThreads * V];
@@ -208,12 +211,10 @@ __global__ void fused_forward_kernel(const ForwardArgs a) {
       ShiftedSums<V> sums;
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
-        if (resident_row(u)) rows[u] = load_pack<T, V>(x + offset + (first + u * step) * g.C);
+        if (b.active) rows[u] = load_pack<T, V>(x + offset + min(first + u * step, g.S - 1) * g.C);
       }
 #pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (resident_row(u)) sums.add(rows[u], p.ref);
-      }
+      for (int u = 0; u < kReduceUnroll; ++u) sums.add(rows[u], p.ref, resident_row(u));
       sums.to_welford(w);
     } else {
       thread_stats<T, V>(x, g, b, p.ref, w);
@@ -238,7 +239,7 @@ __global__ void fused_forward_kernel(const ForwardArgs a) {
   if constexpr (kResident) {
 #pragma unroll
     for (int u = 0; u < kReduceUnroll; ++u) {
-      if (resident_row(u)) normalize_row<T, V, A>(rows[u], y + offset + (first + u * step) * g.C, p.ref, scale, shift);
+      normalize_row<T, V, A>(rows[u], y + offset + (first + u * step) * g.C, p.ref, scale, shift, resident_row(u));
     }
   } else {
     normalize_rows<T, V, A>(x, y, g, b, p.ref, scale, shift);

@@ -8,6 +8,17 @@ namespace gn_patch {
 // Threads per block never exceed this (Geometry keeps tile_vecs * block_rows <= kMaxThreads).
 constexpr int kMaxThreads = 256;
 
+// Resident blocks per SM asked of the compiler through __launch_bounds__, which caps the registers per thread
+// (65536 / (kMaxThreads * blocks)). Without the cap the batched, predicated loads let ptxas grow the forward
+// passes from ~64 to 100-160 registers, halving the warps in flight that hide DRAM latency and splitting
+// mid-size grids into two waves.
+constexpr int kNormalizeBlocksPerSm = 4;  // normalize: <= 64 registers
+constexpr int kStatsBlocksPerSm = 3;      // stats_partial: <= 85 registers
+constexpr int kGradBlocksPerSm = 2;       // grad_partial, dx, fused_backward: <= 128 registers
+// fused_forward (<= 128 registers): holds its rows, or the affine parameters through the statistics. Its
+// grids are mostly under one wave (few, small images), where occupancy does not limit it.
+constexpr int kFusedBlocksPerSm = 2;
+
 __device__ __forceinline__ int next_pow2(int v) {
   int p = 1;
   while (p < v) p <<= 1;

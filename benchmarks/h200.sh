@@ -6,7 +6,8 @@
 #   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick)
 #   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 -> $OUT/txt2img.json
 #   training   examples/compare_training.py, SD1.5 at 512², batch 8, bf16, 50 steps -> $OUT/training.json
-#   training2  the same under accelerate launch --multi_gpu on 2 GPUs (kind nvidia-h200-x2) -> $OUT/training_x2.json
+#   training2  the same under accelerate launch --multi_gpu on 2 GPUs (kind nvidia-h200-x2) -> $OUT/training_x2.json,
+#              with the scaling against the one-GPU run when a `training` step ran before it
 # The H200 machine has no diffusers and no network: carry its wheel in .whl/ (installed into /tmp/site here).
 # Set GN_PATCH_COMMIT to the commit under test (the machine's copy of the tree has no .git).
 set -uo pipefail
@@ -42,8 +43,11 @@ for step in "$@"; do
         --commit "${GN_PATCH_COMMIT:-unknown}" ${TRAIN_ARGS:-} 2>&1 | tail -30 ;;
     training2)
       # NVLink multicast stays off on shared hosts (the device README): NCCL_NVLS_ENABLE=0 is set for the run.
+      # After a `training` step in the same call, its one-GPU result gives the scaling.
+      one_gpu=(); [ -f "$OUT/training.json" ] && one_gpu=(--one-gpu-json "$OUT/training.json")
       NCCL_NVLS_ENABLE=0 python3 examples/compare_training.py --num-processes 2 --output "$OUT/training_x2.json" \
-        --work-dir /tmp/gn_patch_training_x2 --commit "${GN_PATCH_COMMIT:-unknown}" ${TRAIN_ARGS:-} 2>&1 | tail -30 ;;
+        "${one_gpu[@]}" --work-dir /tmp/gn_patch_training_x2 --commit "${GN_PATCH_COMMIT:-unknown}" ${TRAIN_ARGS:-} \
+        2>&1 | tail -30 ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   echo "== $step: $(( $(date +%s) - start )) s"

@@ -14,7 +14,12 @@ The defaults are the acceptance run of issue 4: 50 steps of full fine-tuning of 
     python examples/compare_training.py --tiny --max-train-steps 3 --mixed-precision no   # CPU smoke run
 
 Arguments it does not know go to both training runs (``--gradient-checkpointing``, ``--lora-rank 4``,
-``--tiny``, ...). ``--num-processes N`` (N > 1) runs each under ``accelerate launch --multi_gpu``.
+``--tiny``, ...). ``--num-processes N`` (N > 1) runs each under ``accelerate launch --multi_gpu``;
+``--one-gpu-json`` names the result of the same configuration on one GPU, whose samples/s the output then
+records next to its own, with the scaling (N-GPU samples/s over one-GPU samples/s)::
+
+    python examples/compare_training.py --output one.json
+    python examples/compare_training.py --num-processes 2 --one-gpu-json one.json --output two.json
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
                         help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched")
     parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--one-gpu-json", type=Path,
+                        help="this script's output for the same configuration on one GPU, to compute the scaling")
     parser.add_argument("--commit", help="commit to record (default: `git rev-parse HEAD` of the repository)")
     parser.add_argument("--resolution", type=int, help="image size (default: 512; the training script's with --tiny)")
     parser.add_argument("--train-batch-size", type=int, help="per device (default: 8; 1 with --tiny)")
@@ -108,10 +115,26 @@ def summarize(stock: dict, patched: dict, commit: str) -> dict:
     }
 
 
+def add_scaling(result: dict, one_gpu: dict) -> None:
+    """Adds the one-GPU samples/s of the same configuration and the scaling of stock and patched."""
+    ignored = {"num_processes", "global_batch_size", "gn_patch"}
+    mine = {k: v for k, v in result["config"].items() if k not in ignored}
+    theirs = {k: v for k, v in one_gpu["config"].items() if k not in ignored}
+    differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differing:
+        raise SystemExit(f"--one-gpu-json is another configuration: {differing} differ")
+    result["one_gpu"] = {key: one_gpu[key] for key in ("stock_samples_per_s", "patched_samples_per_s", "commit")}
+    for variant in ("stock", "patched"):
+        result[f"{variant}_scaling"] = result[f"{variant}_samples_per_s"] / one_gpu[f"{variant}_samples_per_s"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
+    one_gpu = json.loads(args.one_gpu_json.read_text()) if args.one_gpu_json else None
     stock, patched = train(args, extra, patched=False), train(args, extra, patched=True)
     result = summarize(stock, patched, args.commit or checked_out_commit())
+    if one_gpu is not None:
+        add_scaling(result, one_gpu)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"stock {result['stock_samples_per_s']:.2f} samples/s, patched {result['patched_samples_per_s']:.2f} "

@@ -7,6 +7,7 @@ accumulation and checkpointing, and real components loaded with --model all run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -130,3 +131,20 @@ def test_model_folder_with_captions(tmp_path, image_folder):
 def test_help():
     assert "--lora-rank" in run("train_text_to_image.py", "--help").stdout
     assert "--num-processes" in run("compare_training.py", "--help").stdout
+
+
+def test_scaling_against_one_gpu_result():
+    spec = importlib.util.spec_from_file_location("compare_training", EXAMPLES / "compare_training.py")
+    compare_training = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_training)
+    config = {"resolution": 512, "train_batch_size": 8, "mixed_precision": "bf16", "gn_patch": {"fused": {}}}
+    one_gpu = {"config": dict(config, num_processes=1, global_batch_size=8), "stock_samples_per_s": 20.0,
+               "patched_samples_per_s": 25.0, "commit": "c1"}
+    result = {"config": dict(config, num_processes=2, global_batch_size=16), "stock_samples_per_s": 38.0,
+              "patched_samples_per_s": 45.0}
+    compare_training.add_scaling(result, one_gpu)
+    assert result["stock_scaling"] == pytest.approx(1.9) and result["patched_scaling"] == pytest.approx(1.8)
+    assert result["one_gpu"] == {"stock_samples_per_s": 20.0, "patched_samples_per_s": 25.0, "commit": "c1"}
+    other = dict(one_gpu, config=dict(one_gpu["config"], resolution=256))
+    with pytest.raises(SystemExit, match="resolution"):
+        compare_training.add_scaling(result, other)

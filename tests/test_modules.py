@@ -1,0 +1,52 @@
+"""CPU tests of gn_patch.GroupNormAct (gn_patch/modules.py): nn.GroupNorm compatibility, parameter sharing,
+errors, torch.compile and TorchScript."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gn_patch
+
+
+def test_channels_not_divisible():
+    with pytest.raises(ValueError, match="divisible"):
+        gn_patch.GroupNormAct(4, 6)
+
+
+class TestModule:
+    def test_state_dict_interchangeable_with_group_norm(self):
+        gn = torch.nn.GroupNorm(4, 16)
+        with torch.no_grad():
+            gn.weight.normal_()
+            gn.bias.normal_()
+        fused = gn_patch.GroupNormAct(4, 16, activation="gelu")
+        fused.load_state_dict(gn.state_dict(), strict=True)
+        back = torch.nn.GroupNorm(4, 16)
+        back.load_state_dict(fused.state_dict(), strict=True)
+        assert fused.state_dict().keys() == gn.state_dict().keys()
+        x = torch.randn(2, 16, 5, 5)
+        torch.testing.assert_close(fused(x), F.gelu(gn(x)), rtol=0, atol=0)
+
+    def test_from_group_norm_shares_parameters(self):
+        gn = torch.nn.GroupNorm(2, 8, eps=1e-6).eval()
+        fused = gn_patch.GroupNormAct.from_group_norm(gn, "relu")
+        assert fused.weight is gn.weight and fused.bias is gn.bias
+        assert (fused.num_groups, fused.num_channels, fused.eps, fused.training) == (2, 8, 1e-6, False)
+        assert "activation=relu" in repr(fused)
+
+    def test_no_affine(self):
+        fused = gn_patch.GroupNormAct(2, 8, affine=False)
+        x = torch.randn(3, 8, 4)
+        torch.testing.assert_close(fused(x), F.silu(F.group_norm(x, 2)))
+
+
+def test_compile_module_fullgraph():
+    module = gn_patch.GroupNormAct(4, 8)
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), module(x))
+
+
+def test_torchscript_is_refused_clearly():
+    with pytest.raises(RuntimeError, match="does not support TorchScript"):
+        torch.jit.script(gn_patch.GroupNormAct(2, 8))

@@ -557,28 +557,56 @@ def _unknown_use(model: nn.Module, name: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # Channels-last weights
 # ------------------------------------------------------------------------------------------------
-_LAYOUT_FLAG = "_gn_patch_made_channels_last"  # set on a model whose conv weights patch_model converted
+# Set on a model whose conv weights patch_model converted: the qualified names of those weights, so that
+# unpatch_model converts back only them (not weights the user had made channels_last).
+_LAYOUT_FLAG = "_gn_patch_made_channels_last"
+# Sub-layers of peft adapters (LoRA's down and up projections). Their weights stay as peft made them: they are
+# small, and LoRA checkpoints are written with safetensors, which refuses non-contiguous tensors.
+_ADAPTER_CONTAINERS = ("lora_A", "lora_B")
+
+
+def _adapter_convs(model: nn.Module) -> set[int]:
+    ids = set()
+    for module in model.modules():
+        for attribute in _ADAPTER_CONTAINERS:
+            container = getattr(module, attribute, None)
+            if isinstance(container, nn.ModuleDict):
+                ids.update(id(m) for m in container.modules())
+    return ids
 
 
 def _conv2d_weights(model: nn.Module):
-    for module in model.modules():
-        weight = getattr(module, "weight", None) if isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)) else None
+    """(qualified name, weight) of the 4-D Conv2d/ConvTranspose2d weights of ``model`` outside peft adapters."""
+    adapters = _adapter_convs(model)
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)) or id(module) in adapters:
+            continue
+        weight = getattr(module, "weight", None)
         # Parameters only (not parametrized weights); plain tensors (not quantized or other tensor subclasses).
         if isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor:
-            yield weight
+            yield f"{name}.weight" if name else "weight", weight
 
 
-def _set_conv_layout(model: nn.Module, memory_format: torch.memory_format) -> int:
-    """Give every 4-D Conv2d/ConvTranspose2d weight ``memory_format`` in place; returns how many changed.
+def _make_conv_weights_channels_last(model: nn.Module) -> list[str]:
+    """Give the 4-D conv weights the channels_last memory format in place; returns the names of those changed.
 
     Unlike ``model.to(memory_format=...)``, leaves Conv3d weights (5-D) and all other tensors alone.
     """
-    changed = 0
-    for weight in _conv2d_weights(model):
-        if not weight.is_contiguous(memory_format=memory_format):
-            weight.data = weight.data.contiguous(memory_format=memory_format)
-            changed += 1
+    changed = []
+    for name, weight in _conv2d_weights(model):
+        if not weight.is_contiguous(memory_format=torch.channels_last):
+            weight.data = weight.data.contiguous(memory_format=torch.channels_last)
+            changed.append(name)
     return changed
+
+
+def _restore_conv_weights(model: nn.Module, names) -> None:
+    """Make the named conv weights of ``model`` contiguous again (names no longer present are passed over)."""
+    weights = dict(_conv2d_weights(model))
+    for name in names:
+        weight = weights.get(name)
+        if weight is not None and not weight.is_contiguous():
+            weight.data = weight.data.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -626,9 +654,10 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
         warnings.warn(f"gn_patch: {len(version_skips)} GroupNorm(s) left unfused: {version_skips[0]}",
                       RuntimeWarning, stacklevel=2)
     if channels_last:
-        surgery.report.channels_last = _set_conv_layout(model, torch.channels_last)
-        if surgery.report.channels_last:
-            setattr(model, _LAYOUT_FLAG, True)
+        converted = _make_conv_weights_channels_last(model)
+        surgery.report.channels_last = len(converted)
+        if converted:
+            setattr(model, _LAYOUT_FLAG, tuple(model.__dict__.get(_LAYOUT_FLAG, ())) + tuple(converted))
     return surgery.report
 
 
@@ -636,17 +665,28 @@ def unpatch_model(model: nn.Module) -> int:
     """Undo :func:`patch_model` in place: module classes, forwards and activation modules become stock again.
 
     Conv weights that patch_model made channels_last become contiguous again (also when it patched a submodule
-    or a pipeline component of ``model``). GroupNormAct modules not created by patch_model are left alone.
+    or a pipeline component of ``model``); weights that were channels_last before keep that layout. GroupNormAct
+    modules not created by patch_model are left alone.
 
     Returns:
         The number of GroupNorms turned back from GroupNormAct.
 
     Raises:
-        ValueError: ``model`` is a single GroupNorm fused with its parent's activation (unpatch the parent).
+        ValueError: ``model`` is a single GroupNorm fused with its parent's activation (unpatch the parent), or a
+            patched module's forward is wrapped by hooks added after patching (remove them first); nothing is
+            changed then.
     """
     if isinstance(model, _FusedGroupNorm) and model.activation != "identity":
         raise ValueError("unpatch_model: this GroupNorm was fused with the activation its parent module applies after "
                          "it; unpatch the parent (or the whole model) so that the activation comes back too")
+    # A wrapper that captured a patched forward (diffusers' HookRegistry, group offloading, ...) would keep calling
+    # it after the class switch back: refuse before changing anything.
+    wrapped = [name or "<root>" for name, module in model.named_modules()
+               if type(module) in _ORIGINAL_CLASS and _forward_override_problem(module)]
+    if wrapped:
+        raise ValueError(f"unpatch_model: {', '.join(wrapped[:5])}{' ...' if len(wrapped) > 5 else ''}: the forward "
+                         "is wrapped on the instance by hooks added after patch_model (e.g. diffusers' group "
+                         "offloading or HookRegistry hooks); remove them before unpatching")
     restored = 0
     for module in list(model.modules()):
         original = _ORIGINAL_CLASS.get(type(module))
@@ -660,6 +700,6 @@ def unpatch_model(model: nn.Module) -> int:
                 child.original.train(child.training)
                 setattr(module, key, child.original)
         if _LAYOUT_FLAG in module.__dict__:
-            _set_conv_layout(module, torch.contiguous_format)
+            _restore_conv_weights(module, module.__dict__[_LAYOUT_FLAG])
             delattr(module, _LAYOUT_FLAG)
     return restored

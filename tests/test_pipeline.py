@@ -223,6 +223,19 @@ def test_peft_lora_adapter(order):
         assert_same_outputs(patched(**inputs).sample, without_lora)
 
 
+def test_lora_added_before_patching_saves_with_safetensors(tmp_path):
+    """The training-script order (add the adapter, then patch): the adapter's own convs keep peft's contiguous
+    layout, so its weights save with save_lora_weights (safetensors refuses non-contiguous tensors)."""
+    unet = tiny_sd15_unet()
+    add_lora(unet)
+    patch_model(unet)
+    assert unet.down_blocks[0].resnets[0].conv1.base_layer.weight.is_contiguous(memory_format=torch.channels_last)
+    lora_state = get_peft_model_state_dict(unet)
+    assert lora_state and all(tensor.is_contiguous() for tensor in lora_state.values())
+    StableDiffusionPipeline.save_lora_weights(tmp_path, unet_lora_layers=lora_state)
+    assert (tmp_path / "pytorch_lora_weights.safetensors").exists()
+
+
 def test_pipeline_load_fuse_unfuse_lora(tmp_path, stock_images):
     source = tiny_sd15_unet()
     add_lora(source)

@@ -353,6 +353,36 @@ def test_layout_of_a_channels_last_model_is_kept():
     assert not unet.conv_in.weight.is_contiguous()
 
 
+def test_unpatch_keeps_weights_the_user_made_channels_last():
+    unet = tiny_sd15_unet()
+    unet.conv_out.to(memory_format=torch.channels_last)
+    patch_model(unet)
+    unpatch_model(unet)
+    assert unet.conv_out.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not unet.conv_out.weight.is_contiguous()
+    assert unet.conv_in.weight.is_contiguous()  # converted by patch_model, so converted back
+
+
+def test_unpatch_refuses_hooks_added_after_patching():
+    """A diffusers hook registered on a patched block keeps the fused forward it wrapped: unpatching under it would
+    leave that block computing GroupNorm without its activation. unpatch_model refuses and changes nothing."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    stock = tiny_sd15_unet()
+    patched = copy.deepcopy(stock)
+    patch_model(patched)
+    registry = HookRegistry.check_if_exists_or_initialize(patched.mid_block.resnets[0])
+    registry.register_hook(ModelHook(), "noop")
+    with pytest.raises(ValueError, match=r"mid_block\.resnets\.0: the forward is wrapped"):
+        unpatch_model(patched)
+    assert type(patched.mid_block.resnets[0]) is surgeon._FusedResnetBlock2D
+    inputs = sd15_unet_inputs()
+    with torch.no_grad():
+        assert_same_outputs(patched(**inputs).sample, stock(**inputs).sample)
+    registry.remove_hook("noop")
+    assert unpatch_model(patched) > 0
+
+
 def test_channels_last_off():
     unet = tiny_sd15_unet()
     report = patch_model(unet, channels_last=False)

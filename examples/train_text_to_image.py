@@ -50,9 +50,16 @@ LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those options say in their help what they default to)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_DefaultsHelpFormatter)
     data = parser.add_argument_group("model and data")
     data.add_argument("--model", help="diffusers Stable Diffusion 1.x folder or hub id (default: random SD1.5 "
                                       "architecture with random prompt embeddings)")

@@ -3,7 +3,7 @@
 #   build      compile the extension (into .build/, kept while the machine stays warm)
 #   tests      GPU test suite -> $OUT/gpu_tests.json (+ JUnit XML and log)
 #   sanitizer  the small-shape GPU tests under compute-sanitizer memcheck -> $OUT/sanitizer.log
-#   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick)
+#   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick; BENCH_OUT resumes)
 #   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 -> $OUT/txt2img.json
 #   training   examples/compare_training.py, SD1.5 at 512², batch 8, bf16, 50 steps -> $OUT/training.json
 #   training2  the same under accelerate launch --multi_gpu on 2 GPUs (kind nvidia-h200-x2) -> $OUT/training_x2.json,
@@ -31,7 +31,12 @@ for step in "$@"; do
         -k "(test_forward_shapes or test_backward_shapes or test_unaligned_pointer) and not wide and not many_channels" \
         > "$OUT/sanitizer.log" 2>&1
       tail -6 "$OUT/sanitizer.log" ;;
-    bench) python3 -m gn_patch.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tail -40 ;;
+    bench)
+      # BENCH_OUT: a folder of the tree (carried to the machine) holding an earlier call's results, which the
+      # sections and --e2e-groups of this call add to; the whole folder comes back in $OUT/bench.
+      bench_out=${BENCH_OUT:-$OUT/bench}
+      python3 -m gn_patch.bench --out "$bench_out" ${BENCH_ARGS:-} 2>&1 | tail -40
+      [ "$bench_out" = "$OUT/bench" ] || cp -r "$bench_out" "$OUT/bench" ;;
     txt2img)
       rm -f "$OUT/txt2img.json"
       python3 examples/txt2img.py --arch sd15 --height 512 --width 512 --dtype float16 --check-fp32 \

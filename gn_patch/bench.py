@@ -144,11 +144,12 @@ def run_metadata(quick: bool, argv: list[str]) -> dict:
 
 
 class ResultFile:
-    """One JSON document ``{"metadata": {...}, "rows": [...]}``, rewritten atomically after every change."""
+    """One JSON document ``{"metadata": {...}, "rows": [...]}``, rewritten atomically after every change; ``rows``
+    are kept from an earlier run (see previous_e2e_rows)."""
 
-    def __init__(self, path: Path, metadata: dict):
+    def __init__(self, path: Path, metadata: dict, rows: list[dict] | None = None):
         self.path = path
-        self.doc = {"metadata": dict(metadata), "rows": []}
+        self.doc = {"metadata": dict(metadata), "rows": list(rows or [])}
         path.parent.mkdir(parents=True, exist_ok=True)
         self._flush()
 
@@ -668,14 +669,17 @@ class KernelBench:
                 store[name] = result[key]
 
     def _copy_floor(self, moved: int, dtype: torch.dtype) -> dict:
-        """dst.copy_(src) of flat tensors holding moved/2 bytes: the same total bytes read plus written as the op."""
+        """Copies of flat tensors holding moved/2 bytes (the same total bytes read plus written as the op): the
+        faster of dst.copy_(src) (cudaMemcpyAsync) and torch.neg(src, out=dst) (an elementwise kernel), since
+        neither is the faster at every size."""
         element_size = torch.empty((), dtype=dtype).element_size()
         numel = math.ceil(moved / (2 * element_size))
         n_sets = rotation_sets(numel * element_size, self.l2_bytes)
         srcs = torch.randn((n_sets, numel), dtype=dtype, device="cuda").unbind(0)
         dst = torch.empty(numel, dtype=dtype, device="cuda")
-        gpu_us, how = gpu_time_us(lambda i: dst.copy_(srcs[i]), n_sets, self.settings.graph_ms)
-        return {"gpu_us": gpu_us, "timing": how}
+        memcpy_us, how = gpu_time_us(lambda i: dst.copy_(srcs[i]), n_sets, self.settings.graph_ms)
+        kernel_us, _ = gpu_time_us(lambda i: torch.neg(srcs[i], out=dst), n_sets, self.settings.graph_ms)
+        return {"gpu_us": min(memcpy_us, kernel_us), "timing": how}
 
     def _method(self, pool: RotationPool, name: str, layout: str, op: Callable, fits_l2: bool) -> dict:
         compiled = name.startswith("compile")
@@ -730,7 +734,8 @@ def kernel_notes(settings: Settings, l2_bytes: int) -> dict:
         "byte_model": "bytes: fwd = read x + write y = 2|x|; fwd+bwd = fwd + read x + read dy + write dx = 5|x|; "
                       "weight, bias, their gradients and the N x G statistics are left out. gbps = bytes / "
                       "gn_patch_us; ratio_to_copy = gn_patch_us / copy_us; speedup_vs_M = M_us / gn_patch_us.",
-        "copy_floor": "copy_us: dst.copy_(src) over flat tensors of bytes/2 bytes (the same total bytes read plus "
+        "copy_floor": "copy_us: the faster of dst.copy_(src) and torch.neg(src, out=dst) over flat tensors of "
+                      "bytes/2 bytes (the same total bytes read plus "
                       "written), rotated the same way, timed the same way.",
         "backward": "fwd+bwd: x, weight and bias (input dtype) require grad; each call sets their .grad to None, "
                     "y = op(x, w, b), y.backward(dy), dy in y's own layout. fwd runs under torch.no_grad().",
@@ -795,9 +800,9 @@ VARIANT_NOTES = {
 class E2EConfig:
     """One end-to-end measurement: a call built from the group's models.
 
-    compile: "compile" = compiled in the full run; "reuse" = run compiled only with what the "compile" configs of
-    its group compiled (recompiling is an error); "no" = never compiled (budget). graphable: a stateless call,
-    also replayed from a CUDA graph (graph_ms).
+    compile: "compile" = compiled in the full run (recompiling what earlier configs of its group compiled where its
+    shapes differ); "reuse" = run compiled only with what the earlier configs of its group compiled (recompiling
+    is an error). graphable: a stateless call, also replayed from a CUDA graph (graph_ms).
     """
 
     name: str
@@ -838,21 +843,23 @@ E2E_CONFIGS = (
               lambda m: _inference(unet_call(m.unet, 2, 64, torch.float16, "cuda")), "compile", True),
     E2EConfig("vae_decode_512", "sd15", "SD VAE decode, latents 1x4x64x64 to 512², fp16, no_grad",
               lambda m: _inference(vae_decode_call(m.vae, 64, torch.float16, "cuda")), "compile", True),
-    E2EConfig("vae_decode_1024", "sd15", "SD VAE decode, latents 1x4x128x128 to 1024², fp16, no_grad",
-              lambda m: _inference(vae_decode_call(m.vae, 128, torch.float16, "cuda")), "no", True),
     E2EConfig("sd15_txt2img_512_30steps", "sd15",
               "StableDiffusionPipeline from components (text_encoder=None, tokenizer=None, prompt_embeds given), "
               "512², 30 DDIM steps, CFG 7.5 (UNet batch 2), VAE decode included, output_type='pt', fp16",
               lambda m: txt2img_call(build_txt2img_pipeline(m.unet, m.vae), 512, 30, "cuda", torch.float16),
               "reuse", False),
+    # After the pipeline, which reuses the decoder compiled at 512²: this call compiles it again, for 1024².
+    E2EConfig("vae_decode_1024", "sd15", "SD VAE decode, latents 1x4x128x128 to 1024², fp16, no_grad",
+              lambda m: _inference(vae_decode_call(m.vae, 128, torch.float16, "cuda")), "compile", True),
     E2EConfig("sdxl_unet_1024_b2", "sdxl", "SDXL UNet call, latents 2x4x128x128 (1024²), fp16, no_grad",
-              lambda m: _inference(unet_call(m.unet, 2, 128, torch.float16, "cuda")), "no", True),
+              lambda m: _inference(unet_call(m.unet, 2, 128, torch.float16, "cuda")), "compile", True),
     E2EConfig("sd15_train_512_b8", "train",
               "SD1.5 UNet training step, batch 8 at 512²: fp32 weights, bf16 autocast forward, MSE loss, backward, "
-              "WITH a fused AdamW step (lr 1e-6)", _train_step_call, "no", False),
+              "WITH a fused AdamW step (lr 1e-6)", _train_step_call, "compile", False),
 )
+E2E_GROUPS = tuple(dict.fromkeys(c.group for c in E2E_CONFIGS))
 # Modules (dotted paths from the group's models) that the "+compile" variants replace by torch.compile of them.
-COMPILE_TARGETS = {"sd15": ("unet", "vae.decoder")}
+COMPILE_TARGETS = {"sd15": ("unet", "vae.decoder"), "sdxl": ("unet",), "train": ("unet",)}
 
 
 def group_models(group: str, cache: ModelCache) -> SimpleNamespace:
@@ -868,8 +875,6 @@ def not_run_reason(config: E2EConfig, variant: str, settings: Settings) -> str |
         return None
     if not settings.e2e_compile:
         return "--quick skips torch.compile"
-    if config.compile == "no":
-        return "compile budget: the full run compiles only the SD1.5 UNet call and the VAE decode to 512²"
     return None
 
 
@@ -985,8 +990,27 @@ def _e2e_cell(config: E2EConfig, variant: str, models: SimpleNamespace, settings
         _free_memory()
 
 
-def run_e2e(settings: Settings, cache: ModelCache, out: Path, metadata: dict, kernels_ok: bool) -> None:
-    """Every E2E config under every variant, group by group (the models of one group live together)."""
+def previous_e2e_rows(path: Path, commit: str, groups: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """The rows and patch reports of an earlier e2e.json in ``path`` for the groups this run leaves out, so that
+    runs of some groups each (``--e2e-groups``, e.g. one device call per group) add up to one table. Raises
+    ValueError when that file is from another commit."""
+    previous = load_result(path)
+    if previous is None:
+        return [], {}
+    if previous["metadata"].get("commit") != commit:
+        raise ValueError(f"{path} holds results of commit {previous['metadata'].get('commit')}, not {commit}: "
+                         "measure into another --out")
+    group_of = {c.name: c.group for c in E2E_CONFIGS}
+    rows = [r for r in previous["rows"] if group_of.get(r["config"]) not in groups]
+    reports = {g: r for g, r in previous["metadata"].get("patch_reports", {}).items() if g not in groups}
+    return rows, reports
+
+
+def run_e2e(settings: Settings, cache: ModelCache, out: Path, metadata: dict, kernels_ok: bool,
+            groups: tuple[str, ...] = E2E_GROUPS) -> None:
+    """Every E2E config of ``groups`` under every variant, group by group (the models of one group live together).
+    Rows of the other groups already in ``out``/e2e.json (same commit) are kept."""
+    kept_rows, kept_reports = previous_e2e_rows(out / "e2e.json", metadata["commit"], groups)
     writer = ResultFile(out / "e2e.json", {
         **metadata, "configs": {c.name: c.description for c in E2E_CONFIGS}, "variants": VARIANT_NOTES,
         "notes": {"wall_ms": "median over timed calls of host clock around call + torch.cuda.synchronize()",
@@ -1001,11 +1025,11 @@ def run_e2e(settings: Settings, cache: ModelCache, out: Path, metadata: dict, ke
                   "inputs": "seeded random weights and inputs; NCHW-contiguous latents, as the pipeline makes them",
                   "compile": "the pipeline's compiled variants reuse the UNet and VAE decoder compiled by the "
                              "sd15_unet_512_b2 and vae_decode_512 cells (a recompile would be an error)"},
-        "patch_reports": {},
-    })
+        "patch_reports": kept_reports, "groups_run": list(groups),
+    }, kept_rows)
     start = time.perf_counter()
-    groups = list(dict.fromkeys(c.group for c in E2E_CONFIGS))
-    with progress_bar(total=len(E2E_CONFIGS) * len(VARIANTS), desc="e2e", unit="cell") as progress:
+    cells = sum(c.group in groups for c in E2E_CONFIGS) * len(VARIANTS)
+    with progress_bar(total=cells, desc="e2e", unit="cell") as progress:
         for group in groups:
             _run_group(group, settings, cache, writer, progress, kernels_ok)
     writer.update_metadata(section_s=round(time.perf_counter() - start, 1))
@@ -1359,6 +1383,14 @@ def parse_sections(text: str) -> tuple[str, ...]:
     return sections
 
 
+def parse_e2e_groups(text: str) -> tuple[str, ...]:
+    groups = tuple(g.strip() for g in text.split(",") if g.strip())
+    unknown = [g for g in groups if g not in E2E_GROUPS]
+    if unknown or not groups:
+        raise argparse.ArgumentTypeError(f"unknown group(s) {unknown or text!r}; choose from {', '.join(E2E_GROUPS)}")
+    return groups
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gn_patch.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1368,6 +1400,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     parser.add_argument("--only", type=parse_sections, default=SECTIONS, metavar="SECTIONS",
                         help="comma-separated sections to run, from kernels,e2e,cpu (default: all)")
+    parser.add_argument("--e2e-groups", type=parse_e2e_groups, default=E2E_GROUPS, metavar="GROUPS",
+                        help=f"end-to-end table: only these model groups, from {','.join(E2E_GROUPS)} (default: all); "
+                             "rows of the others already in --out/e2e.json (same commit) are kept")
     parser.add_argument("--max-shapes", type=int, default=None, metavar="N",
                         help="kernel table: only the first N distinct shapes (smoke tests)")
     parser.add_argument("--report-only", action="store_true",
@@ -1393,7 +1428,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = ModelCache()
     runners = {
         "kernels": lambda: run_kernels(settings, cache, args.out, metadata, args.max_shapes, kernels_ok),
-        "e2e": lambda: run_e2e(settings, cache, args.out, metadata, kernels_ok),
+        "e2e": lambda: run_e2e(settings, cache, args.out, metadata, kernels_ok, args.e2e_groups),
         "cpu": lambda: run_cpu(settings, args.out, metadata, kernels_ok),
     }
     for section in SECTIONS:

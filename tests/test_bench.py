@@ -184,22 +184,38 @@ def test_describe_error_is_one_bounded_line():
 # ------------------------------------------------------------------------------------------------
 # End-to-end bookkeeping and pipeline wiring
 # ------------------------------------------------------------------------------------------------
-def test_compile_cells_not_run_where_the_budget_says():
+def test_every_config_compiles_in_the_full_run():
     by_name = {c.name: c for c in bench.E2E_CONFIGS}
-    assert {n for n, c in by_name.items() if c.compile != "no"} == {
-        "sd15_unet_512_b2", "vae_decode_512", "sd15_txt2img_512_30steps"}
+    assert {n for n, c in by_name.items() if c.compile == "reuse"} == {"sd15_txt2img_512_30steps"}
+    assert set(bench.COMPILE_TARGETS) == set(bench.E2E_GROUPS)
     for name, config in by_name.items():
-        for variant in ("stock_nchw", "stock_cl", "patched"):
-            assert bench.not_run_reason(config, variant, bench.FULL) is None
-            assert bench.not_run_reason(config, variant, bench.QUICK) is None
-        for variant in ("stock_cl+compile", "patched+compile"):
-            assert "--quick" in bench.not_run_reason(config, variant, bench.QUICK)
-            full = bench.not_run_reason(config, variant, bench.FULL)
-            assert (full is None) == (config.compile != "no"), name
+        for variant in bench.VARIANTS:
+            assert bench.not_run_reason(config, variant, bench.FULL) is None, name
+            quick = bench.not_run_reason(config, variant, bench.QUICK)
+            assert (quick is None) == (not variant.endswith("+compile")), name
+    # The pipeline reuses the decoder compiled at 512², so the 1024² decode (a recompile) comes after it.
+    names = list(by_name)
+    assert names.index("sd15_txt2img_512_30steps") < names.index("vae_decode_1024")
     assert set(bench.FULL.e2e_runs) == set(by_name) == set(bench.QUICK.e2e_runs)
     assert not bench.QUICK.compile_dtypes and bench.FULL.compile_dtypes == ("float16",)
     assert {n for n, c in by_name.items() if not c.graphable} == {"sd15_txt2img_512_30steps", "sd15_train_512_b8"}
     assert set(bench.VARIANTS) == set(bench.VARIANT_ORDER)
+
+
+def test_e2e_groups_add_up_to_one_table(tmp_path):
+    path = tmp_path / "e2e.json"
+    assert bench.previous_e2e_rows(path, "abc", ("sd15",)) == ([], {})
+    rows = [bench.e2e_row(c, "patched", wall_ms=1.0) for c in bench.E2E_CONFIGS]
+    reports = {"sd15": {"unet": {"fused": 61}}, "sdxl": {"unet": {"fused": 46}}}
+    bench.ResultFile(path, {"commit": "abc", "patch_reports": reports}, rows)
+    kept, kept_reports = bench.previous_e2e_rows(path, "abc", ("sdxl", "train"))
+    assert {r["config"] for r in kept} == {c.name for c in bench.E2E_CONFIGS if c.group == "sd15"}
+    assert kept_reports == {"sd15": {"unet": {"fused": 61}}}
+    with pytest.raises(ValueError, match="commit abc, not def"):
+        bench.previous_e2e_rows(path, "def", ("sdxl",))
+    assert bench.parse_e2e_groups("sdxl, train") == ("sdxl", "train")
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="unknown group"):
+        bench.parse_e2e_groups("sd3")
 
 
 def test_txt2img_pipeline_runs_from_prompt_embeddings_on_tiny_models():

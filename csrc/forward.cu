@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cooperative_groups.h>
 
+#include "dispatch.cuh"
 #include "reduce.cuh"
 
 namespace gn_patch {
@@ -334,55 +335,32 @@ void launch_cluster(const ForwardArgs& a, cudaStream_t stream) {
 }
 
 template <typename T, int V, Act A>
-void launch_typed(const ForwardArgs& a, cudaStream_t stream) {
-  const Geometry& g = a.geo;
-  const unsigned threads = g.threads();
-  const unsigned blocks = (unsigned)g.blocks();
-  if (g.cluster > 0) return launch_cluster<T, V, A>(a, stream);
-  if (g.fused) {
-    if (g.resident(kReduceUnroll)) {
-      fused_forward_kernel<T, V, A, true><<<blocks, threads, 0, stream>>>(a);
-    } else {
-      fused_forward_kernel<T, V, A, false><<<blocks, threads, 0, stream>>>(a);
+struct Launch {
+  static void run(const ForwardArgs& a, cudaStream_t stream) {
+    const Geometry& g = a.geo;
+    const unsigned threads = g.threads();
+    const unsigned blocks = (unsigned)g.blocks();
+    if (g.cluster > 0) return launch_cluster<T, V, A>(a, stream);
+    if (g.fused) {
+      if (g.resident(kReduceUnroll)) {
+        fused_forward_kernel<T, V, A, true><<<blocks, threads, 0, stream>>>(a);
+      } else {
+        fused_forward_kernel<T, V, A, false><<<blocks, threads, 0, stream>>>(a);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
     }
+    stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
+    stats_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  stats_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, int V>
-void dispatch_act(const ForwardArgs& a, cudaStream_t stream) {
-  switch (a.act) {
-    case Act::kIdentity: return launch_typed<T, V, Act::kIdentity>(a, stream);
-    case Act::kSilu: return launch_typed<T, V, Act::kSilu>(a, stream);
-    case Act::kGelu: return launch_typed<T, V, Act::kGelu>(a, stream);
-    case Act::kGeluTanh: return launch_typed<T, V, Act::kGeluTanh>(a, stream);
-    case Act::kRelu: return launch_typed<T, V, Act::kRelu>(a, stream);
-  }
-}
-
-template <typename T>
-void dispatch_vec(const ForwardArgs& a, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (a.geo.vec == kVec) return dispatch_act<T, kVec>(a, stream);
-  return dispatch_act<T, 1>(a, stream);
-}
+};
 
 }  // namespace
 
-void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
-  if (a.geo.blocks() == 0) return;
-  switch (a.dtype) {
-    case ScalarKind::kFloat: return dispatch_vec<float>(a, stream);
-    case ScalarKind::kHalf: return dispatch_vec<__half>(a, stream);
-    case ScalarKind::kBFloat16: return dispatch_vec<__nv_bfloat16>(a, stream);
-  }
-}
+void launch_forward(const ForwardArgs& a, cudaStream_t stream) { dispatch<Launch>(a, stream); }
 
 }  // namespace gn_patch

@@ -11,6 +11,7 @@
 //                   per (n, g): dx coefficients) -> param_grad (sums over n and splits) -> dx
 #include <c10/cuda/CUDAException.h>
 
+#include "dispatch.cuh"
 #include "reduce.cuh"
 
 namespace gn_patch {
@@ -236,62 +237,39 @@ __global__ void param_grad_kernel(const BackwardArgs a, int64_t rows) {
 }
 
 template <typename T, int V, Act A>
-void launch_typed(const BackwardArgs& a, cudaStream_t stream) {
-  const Geometry& g = a.geo;
-  const unsigned threads = g.threads();
-  const unsigned blocks = (unsigned)g.blocks();
-  if (g.fused) {
-    fused_backward_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    grad_partial_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    grad_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (a.dweight != nullptr || a.dbias != nullptr) {
-    const unsigned param_blocks = (unsigned)((g.C + 31) / 32);
-    const int64_t rows = g.N * (g.fused ? 1 : g.splits);
-    if (a.params_fp32) {
-      param_grad_kernel<float><<<param_blocks, 256, 0, stream>>>(a, rows);
+struct Launch {
+  static void run(const BackwardArgs& a, cudaStream_t stream) {
+    const Geometry& g = a.geo;
+    const unsigned threads = g.threads();
+    const unsigned blocks = (unsigned)g.blocks();
+    if (g.fused) {
+      fused_backward_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      param_grad_kernel<T><<<param_blocks, 256, 0, stream>>>(a, rows);
+      grad_partial_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      grad_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (a.dweight != nullptr || a.dbias != nullptr) {
+      const unsigned param_blocks = (unsigned)((g.C + 31) / 32);
+      const int64_t rows = g.N * (g.fused ? 1 : g.splits);
+      if (a.params_fp32) {
+        param_grad_kernel<float><<<param_blocks, 256, 0, stream>>>(a, rows);
+      } else {
+        param_grad_kernel<T><<<param_blocks, 256, 0, stream>>>(a, rows);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (!g.fused && a.dx != nullptr) {
+      dx_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
-  if (!g.fused && a.dx != nullptr) {
-    dx_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
-template <typename T, int V>
-void dispatch_act(const BackwardArgs& a, cudaStream_t stream) {
-  switch (a.act) {
-    case Act::kIdentity: return launch_typed<T, V, Act::kIdentity>(a, stream);
-    case Act::kSilu: return launch_typed<T, V, Act::kSilu>(a, stream);
-    case Act::kGelu: return launch_typed<T, V, Act::kGelu>(a, stream);
-    case Act::kGeluTanh: return launch_typed<T, V, Act::kGeluTanh>(a, stream);
-    case Act::kRelu: return launch_typed<T, V, Act::kRelu>(a, stream);
-  }
-}
-
-template <typename T>
-void dispatch_vec(const BackwardArgs& a, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (a.geo.vec == kVec) return dispatch_act<T, kVec>(a, stream);
-  return dispatch_act<T, 1>(a, stream);
-}
+};
 
 }  // namespace
 
-void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
-  if (a.geo.blocks() == 0) return;
-  switch (a.dtype) {
-    case ScalarKind::kFloat: return dispatch_vec<float>(a, stream);
-    case ScalarKind::kHalf: return dispatch_vec<__half>(a, stream);
-    case ScalarKind::kBFloat16: return dispatch_vec<__nv_bfloat16>(a, stream);
-  }
-}
+void launch_backward(const BackwardArgs& a, cudaStream_t stream) { dispatch<Launch>(a, stream); }
 
 }  // namespace gn_patch

@@ -186,13 +186,11 @@ struct BlockCoord {
   int64_t row_end;
 };
 
-__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse) {
+__device__ __forceinline__ BlockCoord block_coord_at(const Geometry& g, int64_t n, int64_t split, int64_t tile) {
   BlockCoord b;
-  const int64_t bid = reverse ? (int64_t)gridDim.x - 1 - blockIdx.x : (int64_t)blockIdx.x;
-  b.tile = bid % g.tiles;
-  const int64_t ns = bid / g.tiles;
-  b.split = ns % g.splits;
-  b.n = ns / g.splits;
+  b.n = n;
+  b.split = split;
+  b.tile = tile;
   b.col = threadIdx.x % g.tile_vecs;
   b.rowlane = threadIdx.x / g.tile_vecs;
   const int64_t vec_index = b.tile * g.tile_vecs + b.col;
@@ -201,6 +199,12 @@ __device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool revers
   b.row_begin = b.split * g.rows_per_split;
   b.row_end = min(b.row_begin + g.rows_per_split, g.S);
   return b;
+}
+
+// Blocks ordered (n, split, tile), tile fastest.
+__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse) {
+  const int64_t bid = reverse ? (int64_t)gridDim.x - 1 - blockIdx.x : (int64_t)blockIdx.x;
+  return block_coord_at(g, bid / g.tiles / g.splits, bid / g.tiles % g.splits, bid % g.tiles);
 }
 
 // Rows processed per batch by each thread in passes that store (normalize, dx).

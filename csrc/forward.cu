@@ -7,8 +7,13 @@
 //   1. stats_partial  grid (N * splits * tiles): (mean, m2) of one row range per group (or channel) -> scratch
 //   2. stats_finalize one block per (n, g): Chan-combines the splits' partials -> mean, rstd (+ mean offset)
 //   3. normalize      grid as 1, walked in reverse so it starts on the rows still in L2.
+// Cluster geometry (sm_90+, in place of the split one when each thread can hold its rows in registers): the
+// splits of one (n, tile) form a thread-block cluster that exchanges per-group partials through distributed
+// shared memory; one kernel, x read once.
 #include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
 
+#include "dispatch.cuh"
 #include "reduce.cuh"
 
 namespace gn_patch {
@@ -246,55 +251,116 @@ __global__ void __launch_bounds__(kMaxThreads, kFusedBlocksPerSm) fused_forward_
   }
 }
 
+// Cluster geometry: block `rank` of the cluster for (n, tile) holds rows [rank * rows_per_split, +rows_per_split),
+// at most kClusterRows per thread, in registers. Each block writes its per-group Welford partials to its shared
+// memory; after a cluster barrier every block combines the cluster's partials in rank order (the same result in
+// every block, bitwise deterministic), normalises its rows and stores them.
 template <typename T, int V, Act A>
-void launch_typed(const ForwardArgs& a, cudaStream_t stream) {
+__global__ void __launch_bounds__(kMaxThreads, kFusedBlocksPerSm) cluster_forward_kernel(const ForwardArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  __shared__ Welford smem[kMaxThreads * V];
+  __shared__ Welford block_partial[kMaxClusterTileGroups];
+  __shared__ float group_offset[kMaxClusterTileGroups];
+  __shared__ float group_rstd[kMaxClusterTileGroups];
+  const cg::cluster_group cluster = cg::this_cluster();
   const Geometry& g = a.geo;
-  const unsigned threads = g.threads();
-  const unsigned blocks = (unsigned)g.blocks();
-  if (g.fused) {
-    if (g.resident(kReduceUnroll)) {
-      fused_forward_kernel<T, V, A, true><<<blocks, threads, 0, stream>>>(a);
-    } else {
-      fused_forward_kernel<T, V, A, false><<<blocks, threads, 0, stream>>>(a);
+  const int64_t cluster_index = blockIdx.x / g.cluster;
+  const BlockCoord b = block_coord_at(g, cluster_index / g.tiles, cluster.block_rank(), cluster_index % g.tiles);
+  const T* x = static_cast<const T*>(a.x);
+  const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
+  const int64_t first = b.row_begin + b.rowlane, step = g.block_rows, offset = b.n * g.S * g.C + b.c0;
+  auto holds = [&](int u) { return b.active && first + u * step < b.row_end; };
+  Pack<T, V> rows[kClusterRows];
+  {
+    ShiftedSums<V> sums;
+#pragma unroll
+    for (int u = 0; u < kClusterRows; ++u) {
+      // Rows past the split's end load its last row again (never out of bounds) and are masked below.
+      if (b.active) rows[u] = load_pack<T, V>(x + offset + max(min(first + u * step, b.row_end - 1), 0l) * g.C);
     }
+#pragma unroll
+    for (int u = 0; u < kClusterRows; ++u) sums.add(rows[u], p.ref, holds(u));
+    Welford w[V];
+    sums.to_welford(w);
+    reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
+  }
+  const int64_t tile_groups = tile_channel_count(g, b.tile) / g.D;
+  const int64_t group_base = tile_first_channel(g, b.tile) / g.D;
+  reduce_tile_groups<Welford>(
+      tile_groups, g.D, [&](int64_t i) { return smem[i]; }, welford_combine, warp_welford,
+      [&](int64_t gl, const Welford& t) { block_partial[gl] = t; });
+  cluster.sync();  // every block's partials are written and visible cluster-wide
+  if (threadIdx.x < tile_groups) {
+    Welford acc{};
+    for (int r = 0; r < g.cluster; ++r) {
+      acc = welford_combine(acc, *cluster.map_shared_rank(&block_partial[threadIdx.x], r));
+    }
+    const float rstd = rsqrtf(acc.m2 / acc.count + a.eps);
+    group_offset[threadIdx.x] = acc.mean;
+    group_rstd[threadIdx.x] = rstd;
+    if (b.split == 0) {
+      const int64_t group = group_base + threadIdx.x;
+      a.mean[b.n * g.G + group] = group_reference(x, g, b.n, group) + acc.mean;
+      a.rstd[b.n * g.G + group] = rstd;
+    }
+  }
+  // The peers have read this block's partials (so its shared memory may be released when it exits), and the
+  // group statistics are visible to the whole block.
+  cluster.sync();
+  float scale[V], shift[V];
+  fold_affine<V>(p, g, b, group_offset, group_rstd, group_base, scale, shift);
+  T* y = static_cast<T*>(a.y);
+#pragma unroll
+  for (int u = 0; u < kClusterRows; ++u) {
+    normalize_row<T, V, A>(rows[u], y + offset + (first + u * step) * g.C, p.ref, scale, shift, holds(u));
+  }
+#endif
+}
+
+template <typename T, int V, Act A>
+void launch_cluster(const ForwardArgs& a, cudaStream_t stream) {
+  cudaLaunchAttribute cluster_dims;
+  cluster_dims.id = cudaLaunchAttributeClusterDimension;
+  cluster_dims.val.clusterDim.x = (unsigned)a.geo.cluster;
+  cluster_dims.val.clusterDim.y = 1;
+  cluster_dims.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)a.geo.blocks());
+  config.blockDim = dim3((unsigned)a.geo.threads());
+  config.stream = stream;
+  config.attrs = &cluster_dims;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, cluster_forward_kernel<T, V, A>, a));
+}
+
+template <typename T, int V, Act A>
+struct Launch {
+  static void run(const ForwardArgs& a, cudaStream_t stream) {
+    const Geometry& g = a.geo;
+    const unsigned threads = g.threads();
+    const unsigned blocks = (unsigned)g.blocks();
+    if (g.cluster > 0) return launch_cluster<T, V, A>(a, stream);
+    if (g.fused) {
+      if (g.resident(kReduceUnroll)) {
+        fused_forward_kernel<T, V, A, true><<<blocks, threads, 0, stream>>>(a);
+      } else {
+        fused_forward_kernel<T, V, A, false><<<blocks, threads, 0, stream>>>(a);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
+    stats_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  stats_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, int V>
-void dispatch_act(const ForwardArgs& a, cudaStream_t stream) {
-  switch (a.act) {
-    case Act::kIdentity: return launch_typed<T, V, Act::kIdentity>(a, stream);
-    case Act::kSilu: return launch_typed<T, V, Act::kSilu>(a, stream);
-    case Act::kGelu: return launch_typed<T, V, Act::kGelu>(a, stream);
-    case Act::kGeluTanh: return launch_typed<T, V, Act::kGeluTanh>(a, stream);
-    case Act::kRelu: return launch_typed<T, V, Act::kRelu>(a, stream);
-  }
-}
-
-template <typename T>
-void dispatch_vec(const ForwardArgs& a, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (a.geo.vec == kVec) return dispatch_act<T, kVec>(a, stream);
-  return dispatch_act<T, 1>(a, stream);
-}
+};
 
 }  // namespace
 
-void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
-  if (a.geo.blocks() == 0) return;
-  switch (a.dtype) {
-    case ScalarKind::kFloat: return dispatch_vec<float>(a, stream);
-    case ScalarKind::kHalf: return dispatch_vec<__half>(a, stream);
-    case ScalarKind::kBFloat16: return dispatch_vec<__nv_bfloat16>(a, stream);
-  }
-}
+void launch_forward(const ForwardArgs& a, cudaStream_t stream) { dispatch<Launch>(a, stream); }
 
 }  // namespace gn_patch

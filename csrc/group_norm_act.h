@@ -34,6 +34,10 @@ struct Geometry {
   int64_t rows_per_split = 0;
   bool group_tiles = false;  // every tile holds whole groups (so blocks can reduce per group)
   bool fused = false;
+  // Forward only, sm_90+: > 0 when the `cluster` splits of one (n, tile) run as one thread-block cluster that
+  // exchanges per-group partial statistics through distributed shared memory, each thread holding its rows in
+  // registers (x read once, one kernel). splits == cluster then.
+  int cluster = 0;
 
   // Whole warps: the warp-level group reductions use full-mask shuffles.
   int threads() const { return (tile_vecs * block_rows + 31) / 32 * 32; }
@@ -44,6 +48,15 @@ struct Geometry {
 
 // `aligned16`: every data pointer the kernels will touch is 16-byte aligned.
 Geometry make_geometry(int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, bool aligned16, int num_sms);
+
+// Rows each thread of a cluster-geometry block holds in registers, and the most groups one tile may hold there.
+constexpr int kClusterRows = 8;
+constexpr int kMaxClusterTileGroups = 16;
+
+// The forward's geometry: make_geometry's, or the cluster geometry where it replaces the split one
+// (`cluster_capable`: the device has compute capability 9.0 or newer).
+Geometry make_forward_geometry(int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, bool aligned16, int num_sms,
+                               bool cluster_capable);
 
 struct ForwardArgs {
   Geometry geo;

@@ -87,6 +87,17 @@ int num_sms(int device) {
   return cache[device];
 }
 
+// Thread-block clusters (the forward's cluster geometry) need compute capability 9.0.
+bool cluster_capable(int device) {
+  static std::array<int, 64> cache{};  // 0: not read yet, else major + 1
+  if (cache[device] == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cache[device] = major + 1;
+  }
+  return cache[device] - 1 >= 9;
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Checks shared by forward and backward, with torch.nn.GroupNorm's messages where it has one.
@@ -156,8 +167,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(const at::Ten
   if (N == 0) return {y, mean, rstd};
 
   ForwardArgs a;
-  a.geo = make_geometry(N, S, C, num_groups, (int)x.element_size(), aligned16(x.const_data_ptr()) && aligned16(y.data_ptr()),
-                        num_sms(x.get_device()));
+  const int device = x.get_device();
+  const int sms = num_sms(device);  // checks the device index for cluster_capable too
+  a.geo = make_forward_geometry(N, S, C, num_groups, (int)x.element_size(),
+                                aligned16(x.const_data_ptr()) && aligned16(y.data_ptr()), sms, cluster_capable(device));
   a.dtype = scalar_kind(x);
   a.act = act;
   a.x = x.const_data_ptr();
@@ -171,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(const at::Ten
   a.rstd = rstd.data_ptr<float>();
   at::Tensor scratch;  // [partials | mean offsets], split geometry only
   a.partials = a.mean_offsets = nullptr;
-  if (!a.geo.fused) {
+  if (!a.geo.fused && a.geo.cluster == 0) {
     const int64_t n_partials = N * a.geo.splits * C * 2;
     scratch = at::empty({n_partials + N * num_groups}, stat_opts);
     a.partials = scratch.data_ptr<float>();

@@ -1,6 +1,7 @@
-"""The block geometry of csrc/geometry.cpp (host C++, no GPU needed): tests/csrc/geometry_check.cpp sweeps
-shapes, dtypes and alignments through make_geometry and checks its invariants (vector width, threads per block,
-tiles and splits covering the tensor exactly, whole groups per tile where fused)."""
+"""The block geometries of csrc/geometry.cpp (host C++, no GPU needed): tests/csrc/geometry_check.cpp sweeps
+shapes, dtypes and alignments through make_geometry and make_forward_geometry and checks their invariants (threads
+per block, tiles and splits covering the tensor exactly, whole groups per tile where fused or clustered, cluster
+rows fitting the registers)."""
 
 import shutil
 import subprocess

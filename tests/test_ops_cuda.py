@@ -46,6 +46,12 @@ CASES = {
     "rank3_transposed": ((2, 512, 77), 32),               # diffusers attention's (B, C, HW) view
     "rank5": ((1, 64, 3, 8, 8), 32),
     "many_images": ((513, 32, 3, 3), 8),
+    # Forward cluster geometry on sm_90 (clusters of 4 or 8 blocks sharing statistics through DSMEM):
+    "cluster_sd_resnet": ((2, 320, 32, 32), 32),
+    "cluster_vae": ((1, 512, 64, 64), 32),
+    "cluster_rows_not_multiple": ((3, 96, 30, 50), 32),   # last split's rows partial
+    "cluster_group_size_5": ((1, 40, 60, 50), 8),        # a tile of 5 vectors, 8 blocks per cluster
+    "cluster_scalar_path": ((2, 30, 40, 40), 3),          # C not a multiple of the vector width
 }
 
 

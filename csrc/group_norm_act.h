@@ -50,7 +50,7 @@ struct Geometry {
 Geometry make_geometry(int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, bool aligned16, int num_sms);
 
 // Rows each thread of a cluster-geometry block holds in registers, and the most groups one tile may hold there.
-constexpr int kClusterRows = 8;
+constexpr int kClusterRows = 6;
 constexpr int kMaxClusterTileGroups = 16;
 
 // The forward's geometry: make_geometry's, or the cluster geometry where it replaces the split one

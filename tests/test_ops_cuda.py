@@ -50,8 +50,8 @@ CASES = {
     "cluster_sd_resnet": ((2, 320, 32, 32), 32),
     "cluster_vae": ((1, 512, 64, 64), 32),
     "cluster_rows_not_multiple": ((3, 96, 30, 50), 32),   # last split's rows partial
-    "cluster_group_size_5": ((1, 40, 60, 50), 8),        # a tile of 5 vectors, 8 blocks per cluster
-    "cluster_scalar_path": ((2, 30, 40, 40), 3),          # C not a multiple of the vector width
+    "cluster_group_size_5": ((1, 40, 40, 50), 8),        # a tile of 5 vectors, 8 blocks per cluster
+    "cluster_scalar_path": ((2, 30, 30, 40), 3),          # C not a multiple of the vector width
 }
 
 

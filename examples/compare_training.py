@@ -38,7 +38,8 @@ PER_RUN_KEYS = {"no_patch", "output_dir", "log_json", "gn_patch"}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Other flags (e.g. --tiny, --gradient-checkpointing, --lora-rank) go to both runs of examples/train_text_to_image.py; its --help lists them.")
     parser.add_argument("--output", type=Path, default=Path("training.json"), help="result JSON (default: %(default)s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
                         help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched")

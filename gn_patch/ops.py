@@ -77,6 +77,8 @@ def _check_inputs(x, weight, bias, num_groups, activation):
                          f"{list(x.shape)} and num_groups={num_groups}")
     torch._check(activation in ACTIVATIONS, lambda: f"gn_patch: unknown activation '{activation}' (expected identity, "
                                                     "silu, gelu, gelu_tanh or relu)")
+    torch._check(x.numel() != 0 or x.shape[0] == 0,
+                 lambda: f"gn_patch: empty spatial size in input of shape {list(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
@@ -87,6 +89,9 @@ def _check_inputs(x, weight, bias, num_groups, activation):
                                                    f"{x.device} and {name} on {p.device}")
         torch._check(p.dtype in (x.dtype, torch.float32),
                      lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}) or float32, got {p.dtype}")
+    if weight is not None and bias is not None:
+        torch._check(weight.dtype == bias.dtype,
+                     lambda: f"gn_patch: weight ({weight.dtype}) and bias ({bias.dtype}) must have the same dtype")
 
 
 def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
@@ -179,7 +184,7 @@ def _preactivation(xhat, weight, bias):
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
 def _group_norm_act_reference(x, weight, bias, num_groups, eps, activation):
     _check_inputs(x, weight, bias, num_groups, activation)
-    if x.numel() == 0:  # N = 0 (an empty spatial size raises in var_mean, as the CUDA op raises)
+    if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
         return torch.empty_like(x), stats, torch.empty_like(stats)
     acc = x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1)
@@ -235,21 +240,35 @@ def _is_channels_last(x: torch.Tensor) -> bool:
     return dim == 2 and x.is_contiguous()
 
 
-def _transform_active(x: torch.Tensor) -> bool:
-    """A torch.func transform or forward-mode AD is in effect: they need derivative rules the kernel op lacks.
-    Never under torch.compile tracing (dynamo cannot trace the functorch query; it handles transforms itself)."""
-    return not torch.compiler.is_compiling() and (_is_functorch_wrapped(x) or _forward_ad._current_level >= 0)
+def _wrapped_by_transform(t: torch.Tensor | None) -> bool:
+    """``t`` is a torch.func transform's wrapper (vmap, grad, ...). Never under torch.compile tracing: dynamo
+    cannot trace the functorch query (it handles transforms itself)."""
+    return t is not None and not torch.compiler.is_compiling() and _is_functorch_wrapped(t)
 
 
-def _kernel_covers(x, weight, bias) -> bool:
-    if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and _is_channels_last(x)) or _transform_active(x):
+def _transform_active(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
+    """A torch.func transform over x, weight or bias (grad or vmap over the parameters too) or forward-mode AD is
+    in effect: they need derivative and batching rules the kernel op lacks. Never under torch.compile tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    return (_forward_ad._current_level >= 0 or _is_functorch_wrapped(x)
+            or (weight is not None and _is_functorch_wrapped(weight))
+            or (bias is not None and _is_functorch_wrapped(bias)))
+
+
+def _kernel_accepts(x, weight, bias) -> bool:
+    """The kernels' conditions on dtype, layout and parameters, whatever the device."""
+    # Transforms first: inside vmap, the memory-format query below raises.
+    if x.dtype not in _KERNEL_DTYPES or _transform_active(x, weight, bias) or not _is_channels_last(x):
         return False
     if x.numel() == 0 and x.shape[0] != 0:
         return False
     pdtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else x.dtype)
-    if pdtype not in (x.dtype, torch.float32) or (bias is not None and bias.dtype != pdtype):
-        return False
-    return extension.kernels_available()
+    return pdtype in (x.dtype, torch.float32) and (bias is None or bias.dtype == pdtype)
+
+
+def _kernel_covers(x, weight, bias) -> bool:
+    return x.is_cuda and _kernel_accepts(x, weight, bias) and extension.kernels_available()
 
 
 def _pytorch_path(x, num_groups, weight, bias, eps, activation):
@@ -259,7 +278,10 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation):
     y = ACTIVATIONS[activation](F.group_norm(x, num_groups, weight, bias, eps))
     # PyTorch's CUDA GroupNorm returns NCHW for channels-last input; hand back the caller's layout.
     fmt = _MEMORY_FORMATS.get(x.dim())
-    if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+    # Under vmap the layout query raises, and a per-sample layout means nothing: the result stays as it is.
+    if fmt is None or _wrapped_by_transform(x):
+        return y
+    if not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
         y = y.contiguous(memory_format=fmt)
     return y
 

@@ -600,9 +600,15 @@ def _make_conv_weights_channels_last(model: nn.Module) -> list[str]:
     return changed
 
 
+def _without_peft_wrappers(name: str) -> str:
+    """A weight's name as patch_model saw it: peft's LoRA layers move the wrapped conv to ``<name>.base_layer``."""
+    return name.replace(".base_layer.", ".")
+
+
 def _restore_conv_weights(model: nn.Module, names) -> None:
-    """Make the named conv weights of ``model`` contiguous again (names no longer present are passed over)."""
-    weights = dict(_conv2d_weights(model))
+    """Make the named conv weights of ``model`` contiguous again (names no longer present are passed over; a
+    LoRA adapter added after patching does not hide a conv it wrapped)."""
+    weights = {_without_peft_wrappers(name): weight for name, weight in _conv2d_weights(model)}
     for name in names:
         weight = weights.get(name)
         if weight is not None and not weight.is_contiguous():

@@ -166,6 +166,10 @@ def test_double_backward_through_op():
     (lambda: OP(torch.randn(2, 8, 3), None, None, 0, 1e-5, "silu"), "num_groups must be positive"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, 4, 1e-5, "tanh"), "unknown activation 'tanh'"),
     (lambda: OP(torch.randn(8), None, None, 4, 1e-5, "silu"), "2-D to 5-D"),
+    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, 4, 1e-5, "silu"), "empty spatial size"),
+    (lambda: OP(torch.randn(2, 8, 3, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), torch.zeros(8), 4,
+                1e-5, "silu"), "must have the same dtype"),
+    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, 4, 1e-5, "silu"), "empty spatial size"),
     (lambda: OP(torch.empty(2, 8, 3, device="meta"), torch.ones(3, device="meta"), None, 4, 1e-5, "silu"),
      "weight to be a vector"),
     (lambda: OP_BWD(torch.randn(2, 8, 3), torch.randn(2, 8, 3), None, None, torch.zeros(1, 4), torch.ones(1, 4), 4,
@@ -225,3 +229,66 @@ def test_compiled_backward_uses_the_backward_op():
     w, b = (t.requires_grad_(True) for t in affine(8))
     compiled(x, w, b).backward()
     assert "gn_patch.group_norm_act_backward.default" in backward_ops
+
+
+@pytest.fixture
+def kernel_path_on_cpu(monkeypatch):
+    """Route what the CUDA kernels would take to the op's CPU implementation: the dispatch logic of the kernel
+    path (transform checks, layout checks, the op's autograd and compile behaviour) runs without a GPU."""
+    from gn_patch import ops
+
+    calls = []
+
+    def covers(x, weight, bias):
+        taken = ops._kernel_accepts(x, weight, bias)
+        calls.append(taken)
+        return taken
+
+    monkeypatch.setattr(ops, "_kernel_covers", covers)
+    return calls
+
+
+def _stock_and_fused(shape=(2, 8, 3, 3), groups=4):
+    torch.manual_seed(0)
+    fused = gn_patch.GroupNormAct(groups, shape[1])
+    with torch.no_grad():
+        fused.weight.normal_()
+        fused.bias.normal_()
+    stock = torch.nn.Sequential(torch.nn.GroupNorm(groups, shape[1]), torch.nn.SiLU())
+    stock[0].load_state_dict(fused.state_dict())
+    x = torch.randn(shape).to(memory_format=torch.channels_last)  # float32: a dtype the kernels take
+    return fused, stock, x
+
+
+def test_func_grad_over_parameters_takes_pytorch_path(kernel_path_on_cpu):
+    """torch.func.grad / jacrev over the parameters (functional_call) wrap weight and bias, not x: still the
+    PyTorch path, with nn.GroupNorm's gradients."""
+    fused, stock, x = _stock_and_fused()
+
+    def loss(module, params, prefix=""):
+        params = {prefix + name: value for name, value in params.items()}
+        return torch.func.functional_call(module, params, (x,)).square().sum()
+
+    params = dict(fused.named_parameters())
+    got = torch.func.grad(lambda p: loss(fused, p))(params)
+    want = torch.func.grad(lambda p: loss(stock, p, prefix="0."))(params)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(got[name], want[name])
+    jacobian = torch.func.jacrev(lambda w: torch.func.functional_call(fused, {"weight": w}, (x,)))(fused.weight)
+    torch.testing.assert_close(
+        jacobian, torch.func.jacrev(lambda w: torch.func.functional_call(stock, {"0.weight": w}, (x,)))(fused.weight))
+    assert kernel_path_on_cpu and not any(kernel_path_on_cpu)
+    fused(x)
+    assert kernel_path_on_cpu[-1]  # outside the transforms the same call takes the kernel path
+
+
+def test_vmap_over_channels_last_input(kernel_path_on_cpu):
+    """vmap over a batch of 4-D inputs: the layout query (which raises inside vmap) is never reached."""
+    fused, stock, x = _stock_and_fused()
+    batch = torch.stack([x, x * 2 + 1])
+    got = torch.func.vmap(fused)(batch)
+    want = torch.stack([stock(x), stock(x * 2 + 1)])
+    torch.testing.assert_close(got, want)
+    per_sample = torch.func.vmap(torch.func.grad(lambda t: fused(t[None]).sum()))(x)
+    torch.testing.assert_close(per_sample, torch.func.vmap(torch.func.grad(lambda t: stock(t[None]).sum()))(x))
+

@@ -25,7 +25,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, PretrainedConfig, PreTra
 
 from gn_patch import configs, surgeon
 from gn_patch.pipeline import patch_pipeline, unpatch_pipeline
-from gn_patch.surgeon import patch_model
+from gn_patch.surgeon import patch_model, unpatch_model
 
 from .tiny_models import (OpCounter, assert_same_outputs, make_model, module_types, randn, rel_l2, sd15_unet_inputs,
                           tiny_controlnet, tiny_sd15_unet, tiny_vae)
@@ -234,6 +234,19 @@ def test_lora_added_before_patching_saves_with_safetensors(tmp_path):
     assert lora_state and all(tensor.is_contiguous() for tensor in lora_state.values())
     StableDiffusionPipeline.save_lora_weights(tmp_path, unet_lora_layers=lora_state)
     assert (tmp_path / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_unpatch_after_lora_restores_wrapped_convs(tmp_path):
+    """patch, then add LoRA (peft moves each wrapped conv to ``<conv>.base_layer``), then unpatch: every conv weight
+    patch_model made channels_last is contiguous again, so the whole state_dict saves with safetensors."""
+    from safetensors.torch import save_file
+
+    unet = tiny_sd15_unet()
+    patch_model(unet)
+    add_lora(unet)
+    unpatch_model(unet)
+    assert all(tensor.is_contiguous() for tensor in unet.state_dict().values())
+    save_file(unet.state_dict(), tmp_path / "unet.safetensors")
 
 
 def test_pipeline_load_fuse_unfuse_lora(tmp_path, stock_images):

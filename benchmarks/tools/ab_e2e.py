@@ -8,6 +8,7 @@ per-call wall time::
     python benchmarks/tools/ab_e2e.py --out ab_e2e.json                      # SD1.5 UNet, 512², batch 2, fp16
     python benchmarks/tools/ab_e2e.py --model sdxl_unet --latent 128 --rounds 4
     python benchmarks/tools/ab_e2e.py --device cpu --model tiny_sd15_unet --latent 8 --dtype float32 --rounds 2
+    python benchmarks/tools/ab_e2e.py --pipeline 30 --calls 3 --warmup 1   # the txt2img pipeline (SD VAE decode too)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ VARIANTS = ("stock_nchw", "stock_cl", "patched")
 
 
 def measure(args: argparse.Namespace) -> float:
-    """Median wall ms of one variant's calls, in this process."""
+    """Median wall ms of one variant's calls (UNet calls or whole pipeline calls), in this process."""
     import diffusers
     import torch
 
@@ -32,13 +33,23 @@ def measure(args: argparse.Namespace) -> float:
     dtype = getattr(torch, args.dtype)
     config = getattr(configs, args.model.upper())
     torch.manual_seed(0)
+    models = {}
     with torch.device(args.device):
-        unet = diffusers.UNet2DConditionModel(**config).to(dtype).eval()
-    if args.variant == "stock_cl":
-        unet.to(memory_format=torch.channels_last)
-    elif args.variant == "patched":
-        patch_model(unet, channels_last=True)
-    call = bench._inference(bench.unet_call(unet, args.batch, args.latent, dtype, args.device))
+        models["unet"] = diffusers.UNet2DConditionModel(**config).to(dtype).eval()
+        if args.pipeline:
+            vae_config = configs.TINY_VAE if args.model.startswith("tiny") else configs.SD_VAE
+            models["vae"] = diffusers.AutoencoderKL(**vae_config).to(dtype).eval()
+    for model in models.values():
+        if args.variant == "stock_cl":
+            model.to(memory_format=torch.channels_last)
+        elif args.variant == "patched":
+            patch_model(model, channels_last=True)
+    if args.pipeline:
+        pipe = bench.build_txt2img_pipeline(models["unet"], models["vae"])
+        size = args.latent * pipe.vae_scale_factor
+        call = bench.txt2img_call(pipe, size, args.pipeline, args.device, dtype)
+    else:
+        call = bench._inference(bench.unet_call(models["unet"], args.batch, args.latent, dtype, args.device))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         call()
@@ -62,13 +73,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="processes per variant, in alternating order")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--pipeline", type=int, metavar="STEPS",
+                        help="time the txt2img pipeline with this many steps (CFG, batch 1) instead of UNet calls")
     parser.add_argument("--out", help="JSON file for the results")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one measurement (child process)
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(measure(args)))
         return
-    passthrough = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("rounds", "out", "variant")]
+    passthrough = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("rounds", "out", "variant") and v is not None]
     results: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]

@@ -308,7 +308,8 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             ``identity``/``None``.
 
     Returns:
-        y with x's shape, dtype and memory format.
+        y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32) and x's memory
+        format for 4-D/5-D inputs (the (B, C, L) channel-stride-1 view comes back contiguous from PyTorch's path).
 
     CUDA inputs that are channels-last (channels_last, channels_last_3d, or a (B, C, L) tensor with channel
     stride 1) run gn_patch's fused NHWC kernels, with float32 statistics; every other input (CPU, MPS,
@@ -317,8 +318,8 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     reductions, no atomics).
 
     Raises:
-        RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,), weight on another
-            device than x (messages as torch.nn.GroupNorm's).
+        RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,) (messages as
+            torch.nn.GroupNorm's), weight on another device than x.
         TypeError: integer or bool input.
         ValueError: unknown activation.
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from diffusers.models.normalization import AdaGroupNorm
 from torch import nn
 
-from .surgeon import PatchReport, patch_model, unpatch_model
+from .surgeon import PatchReport, _check_unpatchable, patch_model, unpatch_model
 
 try:
     from transformers import PreTrainedModel
@@ -54,5 +54,12 @@ def unpatch_pipeline(pipe) -> int:
 
     Returns:
         The number of GroupNorms turned back from GroupNormAct.
+
+    Raises:
+        ValueError: a component cannot be unpatched (unpatch_model's reasons, the module named with its
+            component's prefix, ``unet.mid_block.resnets.0``); no component is changed then.
     """
-    return sum(unpatch_model(component) for component in pipe.components.values() if isinstance(component, nn.Module))
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
+    for name, component in modules.items():
+        _check_unpatchable(component, prefix=name)
+    return sum(unpatch_model(component) for component in modules.values())

@@ -667,6 +667,22 @@ def patch_model(model: nn.Module, *, channels_last: bool = True) -> PatchReport:
     return surgery.report
 
 
+def _check_unpatchable(model: nn.Module, prefix: str = "") -> None:
+    """Raise the ValueError :func:`unpatch_model` would raise for ``model``, changing nothing (module names in the
+    message prefixed by ``prefix``, e.g. a pipeline component's name)."""
+    if isinstance(model, _FusedGroupNorm) and model.activation != "identity":
+        raise ValueError("unpatch_model: this GroupNorm was fused with the activation its parent module applies after "
+                         "it; unpatch the parent (or the whole model) so that the activation comes back too")
+    # A wrapper that captured a patched forward (diffusers' HookRegistry, group offloading, ...) would keep calling
+    # it after the class switch back: refuse before changing anything.
+    wrapped = [".".join(filter(None, (prefix, name))) or "<root>" for name, module in model.named_modules()
+               if type(module) in _ORIGINAL_CLASS and _forward_override_problem(module)]
+    if wrapped:
+        raise ValueError(f"unpatch_model: {', '.join(wrapped[:5])}{' ...' if len(wrapped) > 5 else ''}: the forward "
+                         "is wrapped on the instance by hooks added after patch_model (e.g. diffusers' group "
+                         "offloading or HookRegistry hooks); remove them before unpatching")
+
+
 def unpatch_model(model: nn.Module) -> int:
     """Undo :func:`patch_model` in place: module classes, forwards and activation modules become stock again.
 
@@ -682,17 +698,7 @@ def unpatch_model(model: nn.Module) -> int:
             patched module's forward is wrapped by hooks added after patching (remove them first); nothing is
             changed then.
     """
-    if isinstance(model, _FusedGroupNorm) and model.activation != "identity":
-        raise ValueError("unpatch_model: this GroupNorm was fused with the activation its parent module applies after "
-                         "it; unpatch the parent (or the whole model) so that the activation comes back too")
-    # A wrapper that captured a patched forward (diffusers' HookRegistry, group offloading, ...) would keep calling
-    # it after the class switch back: refuse before changing anything.
-    wrapped = [name or "<root>" for name, module in model.named_modules()
-               if type(module) in _ORIGINAL_CLASS and _forward_override_problem(module)]
-    if wrapped:
-        raise ValueError(f"unpatch_model: {', '.join(wrapped[:5])}{' ...' if len(wrapped) > 5 else ''}: the forward "
-                         "is wrapped on the instance by hooks added after patch_model (e.g. diffusers' group "
-                         "offloading or HookRegistry hooks); remove them before unpatching")
+    _check_unpatchable(model)
     restored = 0
     for module in list(model.modules()):
         original = _ORIGINAL_CLASS.get(type(module))

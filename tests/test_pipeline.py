@@ -236,6 +236,23 @@ def test_lora_added_before_patching_saves_with_safetensors(tmp_path):
     assert (tmp_path / "pytorch_lora_weights.safetensors").exists()
 
 
+def test_unpatch_pipeline_is_all_or_nothing():
+    """A hook added after patching on one component makes unpatch_pipeline refuse before it unpatches any other
+    (the VAE comes before the UNet in ``components``), naming the module with its component."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    pipe = tiny_sd_pipeline()
+    patch_pipeline(pipe)
+    registry = HookRegistry.check_if_exists_or_initialize(pipe.unet.mid_block.resnets[0])
+    registry.register_hook(ModelHook(), "noop")
+    with pytest.raises(ValueError, match=r"unet\.mid_block\.resnets\.0: the forward is wrapped"):
+        unpatch_pipeline(pipe)
+    assert any(type(m) is surgeon._FusedResnetBlock2D for m in pipe.vae.modules())
+    registry.remove_hook("noop")
+    assert unpatch_pipeline(pipe) > 0
+    assert not any(type(m) is surgeon._FusedResnetBlock2D for m in pipe.vae.modules())
+
+
 def test_unpatch_after_lora_restores_wrapped_convs(tmp_path):
     """patch, then add LoRA (peft moves each wrapped conv to ``<conv>.base_layer``), then unpatch: every conv weight
     patch_model made channels_last is contiguous again, so the whole state_dict saves with safetensors."""

@@ -1375,20 +1375,21 @@ def write_report(out: Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------------
+def _comma_list(text: str, choices: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """The comma-separated names of ``text``, each one of ``choices`` (argparse type functions below)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in choices]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {unknown or text!r}; choose from {', '.join(choices)}")
+    return names
+
+
 def parse_sections(text: str) -> tuple[str, ...]:
-    sections = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown or not sections:
-        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}")
-    return sections
+    return _comma_list(text, SECTIONS, "section")
 
 
 def parse_e2e_groups(text: str) -> tuple[str, ...]:
-    groups = tuple(g.strip() for g in text.split(",") if g.strip())
-    unknown = [g for g in groups if g not in E2E_GROUPS]
-    if unknown or not groups:
-        raise argparse.ArgumentTypeError(f"unknown group(s) {unknown or text!r}; choose from {', '.join(E2E_GROUPS)}")
-    return groups
+    return _comma_list(text, E2E_GROUPS, "group")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from diffusers.models.normalization import AdaGroupNorm
 from torch import nn
 
-from .surgeon import PatchReport, _check_unpatchable, patch_model, unpatch_model
+from .surgeon import PatchReport, _check_unpatchable, _unpatch, patch_model
 
 try:
     from transformers import PreTrainedModel
@@ -50,7 +50,8 @@ def patch_pipeline(pipe, **kwargs) -> PatchReport:
 
 
 def unpatch_pipeline(pipe) -> int:
-    """:func:`~gn_patch.surgeon.unpatch_model` applied to every torch.nn.Module in ``pipe.components``.
+    """:func:`~gn_patch.surgeon.unpatch_model` applied to every torch.nn.Module in ``pipe.components``, all checked
+    before any is changed.
 
     Returns:
         The number of GroupNorms turned back from GroupNormAct.
@@ -62,4 +63,4 @@ def unpatch_pipeline(pipe) -> int:
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
     for name, component in modules.items():
         _check_unpatchable(component, prefix=name)
-    return sum(unpatch_model(component) for component in modules.values())
+    return sum(_unpatch(component) for component in modules.values())

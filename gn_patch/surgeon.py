@@ -699,6 +699,11 @@ def unpatch_model(model: nn.Module) -> int:
             changed then.
     """
     _check_unpatchable(model)
+    return _unpatch(model)
+
+
+def _unpatch(model: nn.Module) -> int:
+    """unpatch_model's work, once _check_unpatchable has passed."""
     restored = 0
     for module in list(model.modules()):
         original = _ORIGINAL_CLASS.get(type(module))

@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                      epilog="Other flags (e.g. --tiny, --gradient-checkpointing, --lora-rank) go to both runs of examples/train_text_to_image.py; its --help lists them.")
     parser.add_argument("--output", type=Path, default=Path("training.json"), help="result JSON (default: %(default)s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
-                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched")
+                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched (default: %(default)s)")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--one-gpu-json", type=Path,
                         help="this script's output for the same configuration on one GPU, to compute the scaling")

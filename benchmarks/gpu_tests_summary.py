@@ -7,21 +7,12 @@ The commit comes from $GN_PATCH_COMMIT (the device machine's copy of the tree ha
 """
 
 import json
-import os
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 import torch
 
-
-def commit() -> str:
-    if os.environ.get("GN_PATCH_COMMIT"):
-        return os.environ["GN_PATCH_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from gn_patch.bench.results import commit_id
 
 
 def summarize(report: str) -> dict:
@@ -40,7 +31,7 @@ def summarize(report: str) -> dict:
         else:
             counts["passed"] += 1
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return dict(commit=commit(), gpu=gpu, torch=torch.__version__, **counts, failures=failures)
+    return dict(commit=commit_id(), gpu=gpu, torch=torch.__version__, **counts, failures=failures)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,12 @@
 #   tests      GPU test suite -> $OUT/gpu_tests.json (+ JUnit XML and log)
 #   sanitizer  the small-shape GPU tests under compute-sanitizer memcheck -> $OUT/sanitizer.log
 #   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick; BENCH_OUT resumes)
-#   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 -> $OUT/txt2img.json
+#   peers      python -m gn_patch.bench --only peers --peers .peers into $OUT/bench (BENCH_OUT as for bench): gn_patch
+#              against the peer kernels of .peers/ (a copy of ../shared/peers, carried), builds cached in .build/peers
+#   conv3d     benchmarks/tools/conv3d_layout.py: Conv3d NCDHW vs NDHWC for the video VAE decodes, and the decodes
+#              patched with channels_last_3d off and on -> $OUT/conv3d_layout.json
+#   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 --cuda-graph --compile-anchor
+#              -> $OUT/txt2img.json (TXT2IMG_ARCHS="sdxl" runs one: SDXL's compilation alone takes minutes)
 #   training   examples/compare_training.py, SD1.5 at 512², batch 8, bf16, 50 steps -> $OUT/training.json
 #   training2  the same under accelerate launch --multi_gpu on 2 GPUs (kind nvidia-h200-x2) -> $OUT/training_x2.json,
 #              with the scaling against the one-GPU run when a `training` step ran before it
@@ -22,14 +27,17 @@ for step in "$@"; do
   case $step in
     build) python3 -m gn_patch.build 2>&1 | tail -5 || status=1 ;;
     tests)
-      python3 -m pytest tests -m gpu -q --maxfail=20 --durations=20 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
-        > "$OUT/gpu_tests.log" 2>&1
+      # Four workers share the GPU (most tests are short and host-bound); TEST_TIMEOUT bounds the step.
+      timeout "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m gpu -q -n 4 --maxfail=50 --durations=20 \
+        -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
       tail -15 "$OUT/gpu_tests.log"
       python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" || status=1 ;;
     sanitizer)
-      compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest tests/test_ops_cuda.py -q -p no:cacheprovider \
-        -k "(test_forward_shapes or test_backward_shapes or test_unaligned_pointer) and not wide and not many_channels" \
-        > "$OUT/sanitizer.log" 2>&1
+      # The small shapes of every geometry (one block, clusters, many groups per tile, scalar accesses, ranks 2-5).
+      timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 -m pytest tests/test_ops_cuda.py -q -p no:cacheprovider -k "(test_forward_shapes or \
+        test_backward_shapes or test_unaligned_pointer or test_per_sample_scale_shift) and (sd_resnet- or sd_mid or \
+        group_size or single_group- or hw_1 or rank or rows_not_multiple or odd_channels)" > "$OUT/sanitizer.log" 2>&1
       tail -6 "$OUT/sanitizer.log" ;;
     bench)
       # BENCH_OUT: a folder of the tree (carried to the machine) holding an earlier call's results, which the
@@ -37,12 +45,18 @@ for step in "$@"; do
       bench_out=${BENCH_OUT:-$OUT/bench}
       python3 -m gn_patch.bench --out "$bench_out" ${BENCH_ARGS:-} 2>&1 | tail -40
       [ "$bench_out" = "$OUT/bench" ] || cp -r "$bench_out" "$OUT/bench" ;;
+    peers)
+      bench_out=${BENCH_OUT:-$OUT/bench}
+      python3 -m gn_patch.bench --only peers --peers "$PWD/.peers" --out "$bench_out" 2>&1 | tail -100
+      [ "$bench_out" = "$OUT/bench" ] || cp -r "$bench_out" "$OUT/bench" ;;
+    conv3d) python3 benchmarks/tools/conv3d_layout.py --json "$OUT/conv3d_layout.json" 2>&1 | tail -60 || status=1 ;;
     txt2img)
       rm -f "$OUT/txt2img.json"
-      python3 examples/txt2img.py --arch sd15 --height 512 --width 512 --dtype float16 --check-fp32 \
-        --json "$OUT/txt2img.json" --output-dir /tmp/gn_patch_images 2>&1 | tail -30
-      python3 examples/txt2img.py --arch sdxl --height 1024 --width 1024 --dtype float16 --check-fp32 \
-        --json "$OUT/txt2img.json" --output-dir /tmp/gn_patch_images 2>&1 | tail -30 ;;
+      for arch in ${TXT2IMG_ARCHS:-sd15 sdxl}; do
+        size=512; [ "$arch" = sdxl ] && size=1024
+        python3 examples/txt2img.py --arch "$arch" --height $size --width $size --dtype float16 --check-fp32 \
+          --cuda-graph --compile-anchor --json "$OUT/txt2img.json" --output-dir /tmp/gn_patch_images 2>&1 | tail -40
+      done ;;
     training)
       python3 examples/compare_training.py --output "$OUT/training.json" --work-dir /tmp/gn_patch_training \
         --commit "${GN_PATCH_COMMIT:-unknown}" ${TRAIN_ARGS:-} 2>&1 | tail -30 ;;

@@ -1,275 +1,354 @@
-// Backward of y = act(u), u = xhat * w[c] + b[c], xhat = (x - mean[n,g]) * rstd[n,g].
-//   du     = dy * act'(u)
-//   dbias  = sum_{n,s} du                 dweight = sum_{n,s} du * xhat
-//   dx     = rstd * (w * du - mean_g(w * du) - xhat * mean_g(w * du * xhat))
-// where mean_g averages over the M = S * D elements of the group (the standard normalisation backward,
-// e.g. Ioffe & Szegedy 2015, eq. for dL/dx_i, applied per (n, g)).
+// Backward of y = act(u), u = (xhat * w[c] + b[c]) * m[n,c] + shift[n,c], m = 1 + scale, xhat = (x - mean) * rstd:
+//   du      = dy * act'(u),  A[n,c] = sum_s du,  B[n,c] = sum_s du * xhat
+//   dshift  = A              dscale = w * B + b * A            (per image and channel)
+//   dbias   = sum_n m * A    dweight = sum_n m * B
+//   dx      = rstd * (gamma * du - mean_g(gamma * du) - xhat * mean_g(gamma * du * xhat)),  gamma = w * m
+// where mean_g averages over the M = S * D elements of the group (the normalisation backward, e.g. Ioffe &
+// Szegedy 2015, applied per (n, g)), i.e. mean_g(gamma * du) = sum_{c in g} gamma_c * A[n,c] / M.
 //
-// Kernels (no atomics: every reduction has a fixed order, so gradients are bitwise deterministic):
-//   fused geometry: fused_backward (sums, group coefficients and dx in one block) + param_grad
-//   split geometry: grad_partial (per-channel and per-group sums of a row range) -> grad_finalize (one block
-//                   per (n, g): dx coefficients) -> param_grad (sums over n and splits) -> dx
-#include <c10/cuda/CUDAException.h>
-
-#include "dispatch.cuh"
+// Clustered (one kernel, the forward's kind of geometry): each block sums A and B per channel over its rows, the
+// cluster's blocks combine them in rank order through distributed shared memory, and every block computes dx for
+// its rows (from registers when resident).
+// Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
+// (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
+// With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
+// fixed order. No atomics: gradients are bitwise deterministic.
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace gn_patch {
 namespace {
 
-// Per-lane constants: the lane's group statistics and affine parameters.
-template <typename T, int V>
-struct LaneParams {
-  float mean[V], rstd[V], w[V], bias[V];
-  int group[V];  // < G <= C, fits 32 bits
-
-  __device__ __forceinline__ LaneParams(const BackwardArgs& a, const BlockCoord& b) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int64_t c = b.active ? b.c0 + j : 0;
-      group[j] = (int)(c / a.geo.D);
-      mean[j] = a.mean[b.n * a.geo.G + group[j]];
-      rstd[j] = a.rstd[b.n * a.geo.G + group[j]];
-      w[j] = load_param<T>(a.weight, a.params_fp32, c, 1.f);
-      bias[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f);
-    }
-  }
-
-  // (xhat, du) of lane j for input x and output gradient dy.
-  template <Act A>
-  __device__ __forceinline__ float2 xhat_du(float x, float dy, int j) const {
-    const float z = (x - mean[j]) * rstd[j];
-    return make_float2(z, dy * Activation<A>::df(fmaf(z, w[j], bias[j])));
-  }
-};
-
-// The same spatial position of x and dy.
-template <typename T, int V>
-struct RowPair {
-  Pack<T, V> x, dy;
-};
-
-template <typename T, int V>
-__device__ __forceinline__ RowPair<T, V> load_row_pair(const BackwardArgs& a, int64_t index) {
-  return {load_pack<T, V>(static_cast<const T*>(a.x) + index), load_pack<T, V>(static_cast<const T*>(a.dy) + index)};
-}
-
-// sum du and sum du * xhat of this thread's channels over its rows.
-template <typename T, int V, Act A>
-__device__ __forceinline__ void thread_grad_sums(const BackwardArgs& a, const BlockCoord& b,
-                                                 const LaneParams<T, V>& p, float2 (&acc)[V]) {
-#pragma unroll
-  for (int j = 0; j < V; ++j) acc[j] = make_float2(0.f, 0.f);
-  if (!b.active) return;
-  const Geometry& g = a.geo;
-  const int64_t offset = b.n * g.S * g.C + b.c0;
-  for_rows<kUnroll, kUnroll>(
-      b.row_begin + b.rowlane, b.row_end, g.block_rows,
-      [&](int64_t r) { return load_row_pair<T, V>(a, offset + r * g.C); },
-      [&](int64_t, const RowPair<T, V>& row, bool valid) {
-        float xv[V], gv[V];
-        unpack<T, V>(row.x, xv);
-        unpack<T, V>(row.dy, gv);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float2 zd = p.template xhat_du<A>(xv[j], gv[j], j);
-          const float du = valid ? zd.y : 0.f;
-          acc[j].x += du;
-          acc[j].y = fmaf(du, zd.x, acc[j].y);
-        }
-      });
-}
-
-// dx over this thread's rows; coef[j] = (mean_g(w*du), mean_g(w*du*xhat)) of lane j's group.
-template <typename T, int V, Act A>
-__device__ __forceinline__ void dx_rows(const BackwardArgs& a, const BlockCoord& b, const LaneParams<T, V>& p,
-                                        const float2 (&coef)[V]) {
-  if (!b.active) return;
-  const Geometry& g = a.geo;
-  T* dx = static_cast<T*>(a.dx);
-  const int64_t offset = b.n * g.S * g.C + b.c0;
-  for_rows<kUnroll, kUnroll>(
-      b.row_begin + b.rowlane, b.row_end, g.block_rows,
-      [&](int64_t r) { return load_row_pair<T, V>(a, offset + r * g.C); },
-      [&](int64_t r, const RowPair<T, V>& row, bool valid) {
-        float xv[V], gv[V];
-        unpack<T, V>(row.x, xv);
-        unpack<T, V>(row.dy, gv);
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float2 zd = p.template xhat_du<A>(xv[j], gv[j], j);
-          xv[j] = p.rstd[j] * (p.w[j] * zd.y - coef[j].x - zd.x * coef[j].y);
-        }
-        if (valid) store_vec<T, V>(dx + offset + r * g.C, xv);
-      });
-}
-
-// w[c] * (sum du, sum du*xhat) of tile channel i, from the per-channel sums in shared memory.
 template <typename T>
-__device__ __forceinline__ float2 weighted(const BackwardArgs& a, const float2* sums, int64_t tile_c0, int64_t i) {
-  const float w = load_param<T>(a.weight, a.params_fp32, tile_c0 + i, 1.f);
-  return make_float2(w * sums[i].x, w * sums[i].y);
+__device__ __forceinline__ void store_param(void* p, bool fp32, int64_t i, float v) {
+  if (fp32) {
+    static_cast<float*>(p)[i] = v;
+  } else {
+    static_cast<T*>(p)[i] = from_float<T>(v);
+  }
 }
 
-template <typename T, int V, Act A>
-__global__ void __launch_bounds__(kMaxThreads, kGradBlocksPerSm) grad_partial_kernel(const BackwardArgs a) {
-  __shared__ float2 smem[kMaxThreads * V];
-  const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/false);
-  const LaneParams<T, V> p(a, b);
+// Per-lane constants: u = xhat * gamma + delta.
+template <int V>
+struct LaneConstants {
+  float mean, rstd;
+  float gamma[V], delta[V];
+
+  __device__ __forceinline__ float xhat(float x) const { return (x - mean) * rstd; }
+};
+
+template <typename T, int V>
+__device__ __forceinline__ LaneConstants<V> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
+  LaneConstants<V> k;
+  k.mean = b.active ? a.mean[b.n * a.geo.G + b.group] : 0.f;
+  k.rstd = b.active ? a.rstd[b.n * a.geo.G + b.group] : 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const ChannelParams p = load_channel_params<T>(a, b.n, b.c0 + j);
+    k.gamma[j] = p.weight * p.modulation;
+    k.delta[j] = fmaf(p.bias, p.modulation, p.shift);
+  }
+  return k;
+}
+
+template <typename T, int V, Act A, typename Visit>
+__device__ __forceinline__ void visit_pair(const Pack<T, V>& xp, const Pack<T, V>& dp, const LaneConstants<V>& k,
+                                           Visit&& visit) {
+  float xv[V], dv[V];
+  unpack<T, V>(xp, xv);
+  unpack<T, V>(dp, dv);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float xhat = k.xhat(xv[j]);
+    visit(j, xhat, activation_grad<A>(dv[j], fmaf(xhat, k.gamma[j], k.delta[j])));
+  }
+}
+
+template <typename T, int V, int U>
+__device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base, const Geometry& g,
+                                          const BlockCoord& b, int64_t u0, int64_t rows) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u0 + u < rows) packs[u] = load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C);
+  }
+}
+
+template <int V>
+struct LaneSums {
   float2 acc[V];
-  thread_grad_sums<T, V, A>(a, b, p, acc);
-  reduce_rowlanes<float2, V>(acc, smem, g, b.rowlane, add2);
-  const int64_t row = b.n * g.splits + b.split;
-  if (b.rowlane == 0 && b.active) {
-    float2* out = reinterpret_cast<float2*>(a.channel_sums) + row * g.C + b.c0;
-#pragma unroll
-    for (int j = 0; j < V; ++j) out[j] = acc[j];
-  }
-  if (g.group_tiles) {
-    const int64_t c0 = tile_first_channel(g, b.tile);
-    float2* out = reinterpret_cast<float2*>(a.group_sums) + row * g.G + c0 / g.D;
-    reduce_tile_groups<float2>(
-        tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return weighted<T>(a, smem, c0, i); }, add2,
-        warp_sum2, [&](int64_t gl, float2 t) { out[gl] = t; });
-  }
-}
 
-// One block per (n, g): sums the splits' weighted partials (per group, or per channel when tiles split
-// groups) into the group's dx coefficients.
-template <typename T>
-__global__ void grad_finalize_kernel(const BackwardArgs a) {
-  const Geometry& g = a.geo;
-  const int64_t ng = blockIdx.x, n = ng / g.G, grp = ng % g.G;
-  const float2* group_sums = reinterpret_cast<const float2*>(a.group_sums);
-  const float2* channel_sums = reinterpret_cast<const float2*>(a.channel_sums);
-  const int64_t per_split = g.group_tiles ? 1 : g.D;
-  float2 acc = make_float2(0.f, 0.f);
-  for (int64_t i = threadIdx.x; i < g.splits * per_split; i += blockDim.x) {
-    const int64_t row = n * g.splits + i / per_split;
-    if (g.group_tiles) {
-      acc = add2(acc, group_sums[row * g.G + grp]);
-    } else {
-      const int64_t c = grp * g.D + i % per_split;
-      const float w = load_param<T>(a.weight, a.params_fp32, c, 1.f);
-      acc = add2(acc, make_float2(w * channel_sums[row * g.C + c].x, w * channel_sums[row * g.C + c].y));
+  __device__ __forceinline__ LaneSums() {
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = make_float2(0.f, 0.f);
+  }
+  __device__ __forceinline__ void operator()(int j, float xhat, float du) {
+    acc[j].x += du;
+    acc[j].y = fmaf(du, xhat, acc[j].y);
+  }
+};
+
+// (sum du, sum du * xhat) per lane over the rows this thread streams (not resident), U rows in flight.
+template <typename T, int V, Act A, int U>
+__device__ __forceinline__ void streamed_sums(const T* x, const T* dy, const Geometry& g, const BlockCoord& b,
+                                              int64_t rows, const LaneConstants<V>& k, LaneSums<V>& sums) {
+  for (int64_t u0 = 0; u0 < rows; u0 += U) {
+    Pack<T, V> xb[U], db[U];  // per batch: arrays carried across iterations go to local memory
+    load_rows<T, V, U>(xb, x, g, b, u0, rows);
+    load_rows<T, V, U>(db, dy, g, b, u0, rows);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (u0 + u < rows) visit_pair<T, V, A>(xb[u], db[u], k, sums);
     }
   }
-  acc = block_reduce(acc, add2, warp_sum2);
-  if (threadIdx.x == 0) {
-    const float inv_m = 1.f / ((float)g.S * (float)g.D);
-    reinterpret_cast<float2*>(a.coeffs)[ng] = make_float2(acc.x * inv_m, acc.y * inv_m);
+}
+
+template <typename T, int V, Act A>
+__device__ __forceinline__ void store_dx(const Pack<T, V>& xp, const Pack<T, V>& dp, const LaneConstants<V>& k,
+                                         float2 coef, T* out) {
+  float r[V];
+  visit_pair<T, V, A>(xp, dp, k, [&](int j, float xhat, float du) {
+    r[j] = k.rstd * (k.gamma[j] * du - coef.x - xhat * coef.y);
+  });
+  store_vec<T, V>(out, r);
+}
+
+template <typename T, int V, Act A>
+__device__ __forceinline__ void dx_streamed(const T* x, const T* dy, T* dx, const Geometry& g, const BlockCoord& b,
+                                            int64_t rows, const LaneConstants<V>& k, float2 coef) {
+  for (int64_t u0 = 0; u0 < rows; u0 += kStreamUnroll) {
+    Pack<T, V> xb[kStreamUnroll], db[kStreamUnroll];
+    load_rows<T, V, kStreamUnroll>(xb, x, g, b, u0, rows);
+    load_rows<T, V, kStreamUnroll>(db, dy, g, b, u0, rows);
+#pragma unroll
+    for (int u = 0; u < kStreamUnroll; ++u) {
+      if (u0 + u < rows) store_dx<T, V, A>(xb[u], db[u], k, coef, dx + thread_row(g, b, u0 + u) * g.C);
+    }
+  }
+}
+
+// The parameter gradients of image n and channel c from its totals s = (A, B).
+template <typename T>
+__device__ __forceinline__ void store_param_grads(const BackwardArgs& a, int64_t n, int64_t c, float2 s) {
+  const ChannelParams p = load_channel_params<T>(a, n, c);
+  const int64_t nc = n * a.geo.C + c;
+  if (a.dshift) store_param<T>(a.dshift, a.modulation_fp32, nc, s.x);
+  if (a.dscale) store_param<T>(a.dscale, a.modulation_fp32, nc, fmaf(p.weight, s.y, p.bias * s.x));
+  if (a.param_sums) {
+    reinterpret_cast<float2*>(a.param_sums)[nc] = make_float2(p.modulation * s.x, p.modulation * s.y);
+  } else {
+    if (a.dweight) store_param<T>(a.dweight, a.params_fp32, c, p.modulation * s.y);
+    if (a.dbias) store_param<T>(a.dbias, a.params_fp32, c, p.modulation * s.x);
   }
 }
 
 template <typename T, int V, Act A>
-__global__ void __launch_bounds__(kMaxThreads, kGradBlocksPerSm) dx_kernel(const BackwardArgs a) {
-  const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
-  const LaneParams<T, V> p(a, b);
-  float2 coef[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) coef[j] = reinterpret_cast<const float2*>(a.coeffs)[b.n * a.geo.G + p.group[j]];
-  dx_rows<T, V, A>(a, b, p, coef);
-}
-
-// Fused geometry: one block holds whole groups over all rows of its image.
-template <typename T, int V, Act A>
-__global__ void __launch_bounds__(kMaxThreads, kGradBlocksPerSm) fused_backward_kernel(const BackwardArgs a) {
-  __shared__ float2 smem[kMaxThreads * V];
-  __shared__ float2 group_coef[kMaxThreads * V];
+__global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_kernel(const BackwardArgs a) {
+  constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T));
+  __shared__ float2 items[kMaxThreads * V];        // the threads' lane sums; then the tile's channel totals
+  __shared__ float2 block_sums[kMaxTileChannels];  // per tile channel: read by the cluster's blocks
+  __shared__ float gamma_smem[kMaxTileChannels];   // gamma per tile channel
+  __shared__ float2 group_coef[kMaxThreads];       // (mean_g(gamma du), mean_g(gamma du xhat)) per tile group
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/false);
-  const LaneParams<T, V> p(a, b);
-  {
-    float2 acc[V];
-    thread_grad_sums<T, V, A>(a, b, p, acc);
-    reduce_rowlanes<float2, V>(acc, smem, g, b.rowlane, add2);
-  }
-  // smem[i] holds channel (tile start + i).
-  const int64_t c0 = tile_first_channel(g, b.tile);
-  if (a.channel_sums != nullptr) {
-    float2* out = reinterpret_cast<float2*>(a.channel_sums) + b.n * g.C + c0;
-    for (int64_t i = threadIdx.x; i < tile_channel_count(g, b.tile); i += blockDim.x) out[i] = smem[i];
-  }
-  if (a.dx == nullptr) return;  // uniform across the block
-  const float inv_m = 1.f / ((float)g.S * (float)g.D);
-  reduce_tile_groups<float2>(
-      tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return weighted<T>(a, smem, c0, i); }, add2,
-      warp_sum2, [&](int64_t gl, float2 t) { group_coef[gl] = make_float2(t.x * inv_m, t.y * inv_m); });
-  __syncthreads();
-  const int64_t group_base = c0 / g.D;
-  float2 coef[V];
+  const BlockCoord b = block_coord(g);
+  const int64_t offset = b.n * g.S * g.C + b.c0;
+  const T* x = static_cast<const T*>(a.x) + offset;
+  const T* dy = static_cast<const T*>(a.dy) + offset;
+  const int64_t rows = thread_rows(g, b);
+  const LaneConstants<V> k = lane_constants<T, V>(a, b);
+  if (b.active && b.rowlane == 0) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) coef[j] = b.active ? group_coef[p.group[j] - group_base] : make_float2(0.f, 0.f);
-  dx_rows<T, V, A>(a, b, p, coef);
+    for (int j = 0; j < V; ++j) gamma_smem[b.col * V + j] = k.gamma[j];
+  }
+
+  LaneSums<V> sums;
+  Pack<T, V> xs[kRows], dys[kRows];  // resident rows, kept for dx
+  if (g.resident) {
+    load_rows<T, V, kRows>(xs, x, g, b, 0, rows);
+    load_rows<T, V, kRows>(dys, dy, g, b, 0, rows);
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      if (u < rows) visit_pair<T, V, A>(xs[u], dys[u], k, sums);
+    }
+  } else {
+    streamed_sums<T, V, A, kRows>(x, dy, g, b, rows, k, sums);
+  }
+  block_channel_sums<V>(sums.acc, items, block_sums, g);
+  cluster_sync(g.cluster());
+  const int channels = g.tile_vecs * g.vec;
+  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+    items[ch] = cluster_reduce(&block_sums[ch], g.cluster(), add2);
+  }
+  cluster_arrive(g.cluster());
+  __syncthreads();
+
+  if (b.rank == 0) {  // the parameter gradients of image n: one block of the cluster writes them
+    const int64_t tile_c0 = b.tile * g.groups_per_tile * g.D;
+    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) store_param_grads<T>(a, b.n, tile_c0 + ch, items[ch]);
+  }
+  if (a.dx) {  // uniform across the grid
+    const float inv_m = 1.f / ((float)g.S * (float)g.D);
+    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int gl = warp; gl < g.groups_per_tile; gl += warps) {
+      float2 s = make_float2(0.f, 0.f);
+      for (int c = lane; c < g.D; c += 32) {
+        const int ch = gl * (int)g.D + c;
+        s = add2(s, make_float2(gamma_smem[ch] * items[ch].x, gamma_smem[ch] * items[ch].y));
+      }
+      s = lanes_reduce(s, 32, add2);
+      if (lane == 0) group_coef[gl] = make_float2(s.x * inv_m, s.y * inv_m);
+    }
+    __syncthreads();
+    if (b.active) {
+      const float2 coef = group_coef[b.group_local];
+      T* dx = static_cast<T*>(a.dx) + offset;
+      if (g.resident) {
+#pragma unroll
+        for (int u = 0; u < kRows; ++u) {
+          if (u < rows) store_dx<T, V, A>(xs[u], dys[u], k, coef, dx + thread_row(g, b, u) * g.C);
+        }
+      } else {
+        dx_streamed<T, V, A>(x, dy, dx, g, b, rows, k, coef);
+      }
+    }
+  }
+  cluster_wait(g.cluster());
 }
 
-// dweight[c] = sum of channel_sums[r, c].y and dbias[c] = sum of channel_sums[r, c].x over the N * splits
-// rows r. Block: 32 channels x 8 row lanes, each lane with 4 independent accumulators (loads in flight),
-// combined in a fixed order.
+// Unclustered, 1: the block's channel sums -> channel_partials[(n * splits + split) * C + c].
+template <typename T, int V, Act A>
+__global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) sums_kernel(const BackwardArgs a) {
+  constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T));
+  __shared__ float2 items[kMaxThreads * V];
+  __shared__ float2 block_sums[kMaxTileChannels];
+  const Geometry& g = a.geo;
+  const BlockCoord b = block_coord(g);
+  const int64_t offset = b.n * g.S * g.C + b.c0;
+  LaneSums<V> sums;
+  streamed_sums<T, V, A, kRows>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset, g, b,
+                                thread_rows(g, b), lane_constants<T, V>(a, b), sums);
+  block_channel_sums<V>(sums.acc, items, block_sums, g);
+  __syncthreads();
+  float2* out = reinterpret_cast<float2*>(a.channel_partials) + (b.n * g.splits + b.rank) * g.C +
+                b.tile * g.groups_per_tile * g.D;
+  for (int ch = threadIdx.x; ch < g.tile_vecs * g.vec; ch += blockDim.x) out[ch] = block_sums[ch];
+}
+
+// Unclustered, 2: one block per (n, g): each channel's totals over the splits (in split order), the parameter
+// gradients, and the group's dx coefficients.
+constexpr int kCoefficientThreads = 256;
+
+template <typename T>
+__global__ void coefficients_kernel(const BackwardArgs a) {
+  const Geometry& g = a.geo;
+  const int64_t ng = blockIdx.x, n = ng / g.G, group = ng % g.G;
+  const float2* partials = reinterpret_cast<const float2*>(a.channel_partials);
+  float2 weighted = make_float2(0.f, 0.f);
+  for (int64_t c = group * g.D + threadIdx.x; c < (group + 1) * g.D; c += blockDim.x) {
+    float2 s = make_float2(0.f, 0.f);
+    for (int64_t split = 0; split < g.splits; ++split) s = add2(s, partials[(n * g.splits + split) * g.C + c]);
+    store_param_grads<T>(a, n, c, s);
+    const ChannelParams p = load_channel_params<T>(a, n, c);
+    const float gamma = p.weight * p.modulation;
+    weighted = add2(weighted, make_float2(gamma * s.x, gamma * s.y));
+  }
+  __shared__ float2 warp_totals[kCoefficientThreads / 32];
+  weighted = lanes_reduce(weighted, 32, add2);
+  if (threadIdx.x % 32 == 0) warp_totals[threadIdx.x / 32] = weighted;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float2 s = warp_totals[0];
+    for (int w = 1; w < kCoefficientThreads / 32; ++w) s = add2(s, warp_totals[w]);
+    const float inv_m = 1.f / ((float)g.S * (float)g.D);
+    reinterpret_cast<float2*>(a.coefficients)[ng] = make_float2(s.x * inv_m, s.y * inv_m);
+  }
+}
+
+// Unclustered, 3: dx of the block's rows.
+template <typename T, int V, Act A>
+__global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(const BackwardArgs a) {
+  const Geometry& g = a.geo;
+  const BlockCoord b = block_coord(g, /*reverse=*/true);
+  if (!b.active) return;  // no barriers in this kernel
+  const int64_t offset = b.n * g.S * g.C + b.c0;
+  const float2 coef = reinterpret_cast<const float2*>(a.coefficients)[b.n * g.G + b.group];
+  dx_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
+                       static_cast<T*>(a.dx) + offset, g, b, thread_rows(g, b), lane_constants<T, V>(a, b), coef);
+}
+
+// dweight[c] = sum_n sums[n, c].y and dbias[c] = sum_n sums[n, c].x. Block: 32 channels x 8 row lanes, each
+// lane with 4 independent accumulators (loads in flight), combined in a fixed order.
 template <typename P>
-__global__ void param_grad_kernel(const BackwardArgs a, int64_t rows) {
+__global__ void param_grad_kernel(const float2* sums, int64_t rows, int64_t C, P* dweight, P* dbias) {
   constexpr int kLanes = 8, kAcc = 4;
   __shared__ float2 smem[kLanes][33];
-  const Geometry& g = a.geo;
   const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x % 32;
   const int lane = threadIdx.x / 32;
   float2 acc[kAcc];
 #pragma unroll
-  for (int k = 0; k < kAcc; ++k) acc[k] = make_float2(0.f, 0.f);
-  if (c < g.C) {
-    const float2* sums = reinterpret_cast<const float2*>(a.channel_sums);
+  for (int i = 0; i < kAcc; ++i) acc[i] = make_float2(0.f, 0.f);
+  if (c < C) {
     int64_t r = lane;
     for (; r + (kAcc - 1) * kLanes < rows; r += kAcc * kLanes) {
 #pragma unroll
-      for (int k = 0; k < kAcc; ++k) acc[k] = add2(acc[k], sums[(r + k * kLanes) * g.C + c]);
+      for (int i = 0; i < kAcc; ++i) acc[i] = add2(acc[i], sums[(r + i * kLanes) * C + c]);
     }
-    for (; r < rows; r += kLanes) acc[0] = add2(acc[0], sums[r * g.C + c]);
+    for (; r < rows; r += kLanes) acc[0] = add2(acc[0], sums[r * C + c]);
   }
   smem[lane][threadIdx.x % 32] = add2(add2(acc[0], acc[1]), add2(acc[2], acc[3]));
   __syncthreads();
-  if (lane == 0 && c < g.C) {
+  if (lane == 0 && c < C) {
     float2 s = smem[0][threadIdx.x];
-    for (int k = 1; k < kLanes; ++k) s = add2(s, smem[k][threadIdx.x]);
-    if (a.dweight != nullptr) static_cast<P*>(a.dweight)[c] = from_float<P>(s.y);
-    if (a.dbias != nullptr) static_cast<P*>(a.dbias)[c] = from_float<P>(s.x);
+    for (int i = 1; i < kLanes; ++i) s = add2(s, smem[i][threadIdx.x]);
+    if (dweight != nullptr) dweight[c] = from_float<P>(s.y);
+    if (dbias != nullptr) dbias[c] = from_float<P>(s.x);
   }
 }
 
+template <typename P>
+void launch_param_grad(const BackwardArgs& a, cudaStream_t stream) {
+  const unsigned blocks = (unsigned)((a.geo.C + 31) / 32);
+  param_grad_kernel<P><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(a.param_sums), a.geo.N, a.geo.C,
+                                                    static_cast<P*>(a.dweight), static_cast<P*>(a.dbias));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int V, Act A>
-struct Launch {
-  static void run(const BackwardArgs& a, cudaStream_t stream) {
+struct BackwardKernels {
+  static void fn(const BackwardArgs& a, cudaStream_t stream) {
     const Geometry& g = a.geo;
-    const unsigned threads = g.threads();
-    const unsigned blocks = (unsigned)g.blocks();
-    if (g.fused) {
-      fused_backward_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (g.clustered) {
+      launch_kernel(backward_kernel<T, V, A>, g, stream, a);
     } else {
-      grad_partial_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
+      launch_kernel(sums_kernel<T, V, A>, g, stream, a);
+      coefficients_kernel<T><<<(unsigned)(g.N * g.G), kCoefficientThreads, 0, stream>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      grad_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A>, g, stream, a);
     }
-    if (a.dweight != nullptr || a.dbias != nullptr) {
-      const unsigned param_blocks = (unsigned)((g.C + 31) / 32);
-      const int64_t rows = g.N * (g.fused ? 1 : g.splits);
+    if (a.param_sums != nullptr) {
       if (a.params_fp32) {
-        param_grad_kernel<float><<<param_blocks, 256, 0, stream>>>(a, rows);
+        launch_param_grad<float>(a, stream);
       } else {
-        param_grad_kernel<T><<<param_blocks, 256, 0, stream>>>(a, rows);
+        launch_param_grad<T>(a, stream);
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (!g.fused && a.dx != nullptr) {
-      dx_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+  }
+};
+
+template <typename T, int V, Act A>
+struct BackwardMaxCluster {
+  static int fn() {
+    static std::array<std::atomic<int>, 64> cache{};
+    return query_max_cluster(backward_kernel<T, V, A>, cache);
   }
 };
 
 }  // namespace
 
-void launch_backward(const BackwardArgs& a, cudaStream_t stream) { dispatch<Launch>(a, stream); }
+void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
+  if (a.geo.blocks() == 0) return;
+  dispatch<BackwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
+}
+
+int backward_max_cluster(ScalarKind dtype, int vec, Act act) { return dispatch<BackwardMaxCluster>(dtype, vec, act); }
 
 }  // namespace gn_patch

@@ -1,5 +1,5 @@
-// Device helpers shared by the forward and backward kernels: activations, vector access, Welford
-// combination and the mapping of a block onto its (image, split, tile).
+// Device helpers shared by the forward and backward kernels: activations, vector access, Welford statistics and
+// the mapping of a block onto its (image, tile, cluster rank).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,10 +11,21 @@
 namespace gn_patch {
 
 // ---------------------------------------------------------------------------------------------
-// Activations: value and derivative, in float. Formulas as in PyTorch's CUDA activation kernels.
+// Activations: value, derivative and the gradient dy * act'(u) as PyTorch's backward computes it (a product,
+// except relu's select), in float. Formulas as in PyTorch's CUDA activation kernels; NaN and inf
+// propagate as there (comparisons are written so that a NaN takes the branch that returns it).
 // ---------------------------------------------------------------------------------------------
 template <Act A>
 struct Activation;
+
+template <Act A>
+__device__ __forceinline__ float activation_grad(float dy, float u) {
+  if constexpr (A == Act::kRelu) {
+    return Activation<A>::grad(dy, u);
+  } else {
+    return dy * Activation<A>::df(u);
+  }
+}
 
 template <>
 struct Activation<Act::kIdentity> {
@@ -24,9 +35,11 @@ struct Activation<Act::kIdentity> {
 
 template <>
 struct Activation<Act::kRelu> {
-  static __device__ __forceinline__ float f(float u) { return u > 0.f ? u : 0.f; }
-  // PyTorch's relu backward masks by the output (y > 0), i.e. zero gradient at u == 0.
-  static __device__ __forceinline__ float df(float u) { return u > 0.f ? 1.f : 0.f; }
+  static __device__ __forceinline__ float f(float u) { return u < 0.f ? 0.f : u; }
+  static __device__ __forceinline__ float df(float u) { return u <= 0.f ? 0.f : 1.f; }
+  // PyTorch's relu backward (threshold_backward) selects: zero where the output is <= 0 (even for a NaN or
+  // infinite gradient), the gradient where the output is positive or NaN.
+  static __device__ __forceinline__ float grad(float dy, float u) { return u <= 0.f ? 0.f : dy; }
 };
 
 template <>
@@ -67,18 +80,20 @@ struct Activation<Act::kGeluTanh> {
   }
 };
 
+template <>
+struct Activation<Act::kMish> {
+  // mish(u) = u * tanh(softplus(u)), softplus(u) = log(1 + exp(u)) (Misra 2019), as PyTorch computes it.
+  static __device__ __forceinline__ float tanh_softplus(float u) { return tanhf(log1pf(__expf(u))); }
+  static __device__ __forceinline__ float f(float u) { return u * tanh_softplus(u); }
+  static __device__ __forceinline__ float df(float u) {
+    const float t = tanh_softplus(u);
+    return t + u * Activation<Act::kSilu>::sigmoid(u) * (1.f - t * t);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // Element types and vector access
 // ---------------------------------------------------------------------------------------------
-template <ScalarKind K>
-struct ScalarOf;
-template <>
-struct ScalarOf<ScalarKind::kFloat> { using type = float; };
-template <>
-struct ScalarOf<ScalarKind::kHalf> { using type = __half; };
-template <>
-struct ScalarOf<ScalarKind::kBFloat16> { using type = __nv_bfloat16; };
-
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -92,10 +107,43 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// Raw storage of one element: packs hold bits, not T, so that they stay trivially copyable (the bfloat16 type's
+// user-provided assignment put arrays of bf16 packs into local memory).
+template <typename T>
+struct Bits {
+  using type = unsigned short;
+};
+template <>
+struct Bits<float> {
+  using type = unsigned int;
+};
+
+template <typename T>
+__device__ __forceinline__ float bits_to_float(typename Bits<T>::type b);
+template <>
+__device__ __forceinline__ float bits_to_float<float>(unsigned int b) { return __uint_as_float(b); }
+template <>
+__device__ __forceinline__ float bits_to_float<__half>(unsigned short b) { return __half2float(__ushort_as_half(b)); }
+template <>
+__device__ __forceinline__ float bits_to_float<__nv_bfloat16>(unsigned short b) {
+  return __uint_as_float((unsigned int)b << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ typename Bits<T>::type float_to_bits(float v);
+template <>
+__device__ __forceinline__ unsigned int float_to_bits<float>(float v) { return __float_as_uint(v); }
+template <>
+__device__ __forceinline__ unsigned short float_to_bits<__half>(float v) { return __half_as_ushort(__float2half_rn(v)); }
+template <>
+__device__ __forceinline__ unsigned short float_to_bits<__nv_bfloat16>(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
 // V elements read or written as one access (16 bytes when V * sizeof(T) == 16).
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
-  T v[V];
+  typename Bits<T>::type v[V];
 };
 
 template <typename T, int V>
@@ -106,138 +154,139 @@ __device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
 template <typename T, int V>
 __device__ __forceinline__ void unpack(const Pack<T, V>& pack, float (&out)[V]) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = to_float(pack.v[j]);
+  for (int j = 0; j < V; ++j) out[j] = bits_to_float<T>(pack.v[j]);
 }
 
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const float (&in)[V]) {
   Pack<T, V> pack;
 #pragma unroll
-  for (int j = 0; j < V; ++j) pack.v[j] = from_float<T>(in[j]);
+  for (int j = 0; j < V; ++j) pack.v[j] = float_to_bits<T>(in[j]);
   *reinterpret_cast<Pack<T, V>*>(p) = pack;
 }
 
-// weight or bias element c, stored as T or as float32 (fp32 master weights under autocast).
+// Element i of an optional parameter stored as T or as float32 (fp32 master weights under autocast).
 template <typename T>
-__device__ __forceinline__ float load_param(const void* p, bool fp32, int64_t c, float absent) {
+__device__ __forceinline__ float load_param(const void* p, bool fp32, int64_t i, float absent) {
   if (p == nullptr) return absent;
-  return fp32 ? static_cast<const float*>(p)[c] : to_float(static_cast<const T*>(p)[c]);
+  return fp32 ? static_cast<const float*>(p)[i] : to_float(static_cast<const T*>(p)[i]);
+}
+
+// Per-lane affine parameters of channel c of image n: u = xhat * weight + bias, then the per-sample modulation
+// u * (1 + scale[n, c]) + shift[n, c].
+struct ChannelParams {
+  float weight, bias, modulation, shift;  // modulation = 1 + scale
+};
+
+template <typename T, typename Args>
+__device__ __forceinline__ ChannelParams load_channel_params(const Args& a, int64_t n, int64_t c) {
+  ChannelParams p;
+  p.weight = load_param<T>(a.weight, a.params_fp32, c, 1.f);
+  p.bias = load_param<T>(a.bias, a.params_fp32, c, 0.f);
+  p.modulation = 1.f + load_param<T>(a.scale, a.modulation_fp32, n * a.geo.C + c, 0.f);
+  p.shift = load_param<T>(a.shift, a.modulation_fp32, n * a.geo.C + c, 0.f);
+  return p;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Welford / Chan statistics. Combination formula: Chan, Golub & LeVeque (1979),
-// "Updating formulae and a pairwise algorithm for computing sample variances".
+// Welford / Chan statistics. Combination formula: Chan, Golub & LeVeque (1979), "Updating formulae and a
+// pairwise algorithm for computing sample variances". Each partial keeps its mean as an offset from a reference
+// value, one of its own elements: data far from zero (x = 1000 + 0.001 * noise) keeps its precision in float32,
+// and a combination keeps the reference nearer the combined mean, so that an outlier's partial does not make
+// every mean an offset from the outlier (its rounding would then be the group mean's).
 // ---------------------------------------------------------------------------------------------
 // Plain aggregate (no constructor) so that it can live in __shared__ memory; zero-initialise with {}.
 struct Welford {
-  float mean;
-  float m2;  // sum of squared deviations from mean
+  float ref;    // reference value
+  float mean;   // mean - ref
+  float m2;     // sum of squared deviations from the mean
   float count;
 };
 
+// NaN in either operand propagates (no clamping); an empty operand leaves the other as it is.
 __device__ __forceinline__ Welford welford_combine(const Welford& a, const Welford& b) {
+  if (b.count == 0.f) return a;
+  if (a.count == 0.f) return b;
   const float n = a.count + b.count;
-  if (n == 0.f) return a;
-  const float wb = b.count / n;
-  const float delta = b.mean - a.mean;
-  Welford r{};
-  r.mean = a.mean + delta * wb;
-  r.m2 = a.m2 + b.m2 + delta * delta * a.count * wb;
-  r.count = n;
-  return r;
+  const float wb = __fdividef(b.count, n);
+  const float refs = b.ref - a.ref;  // exact for nearby references (Sterbenz)
+  const float delta = refs + (b.mean - a.mean);
+  const float mean = fmaf(delta, wb, a.mean);  // from a.ref
+  const float m2 = a.m2 + b.m2 + delta * delta * a.count * wb;
+  const float mean_b = mean - refs;  // from b.ref
+  return fabsf(mean_b) < fabsf(mean) ? Welford{b.ref, mean_b, m2, n} : Welford{a.ref, mean, m2, n};
 }
 
-__device__ __forceinline__ Welford warp_welford(Welford w) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    Welford o;
-    o.mean = __shfl_xor_sync(0xffffffffu, w.mean, offset);
-    o.m2 = __shfl_xor_sync(0xffffffffu, w.m2, offset);
-    o.count = __shfl_xor_sync(0xffffffffu, w.count, offset);
-    w = welford_combine(w, o);
-  }
-  return w;
+__device__ __forceinline__ Welford shfl_xor(const Welford& w, int offset) {
+  return Welford{__shfl_xor_sync(0xffffffffu, w.ref, offset), __shfl_xor_sync(0xffffffffu, w.mean, offset),
+                 __shfl_xor_sync(0xffffffffu, w.m2, offset), __shfl_xor_sync(0xffffffffu, w.count, offset)};
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+__device__ __forceinline__ float2 shfl_xor(float2 v, int offset) {
+  return make_float2(__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset));
 }
 
 __device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
-__device__ __forceinline__ float2 warp_sum2(float2 v) { return make_float2(warp_sum(v.x), warp_sum(v.y)); }
+// Combines the values of `width` aligned lanes (width a power of two <= 32) in a fixed butterfly order; every lane
+// of the warp must call it.
+template <typename Acc, typename Combine>
+__device__ __forceinline__ Acc lanes_reduce(Acc v, int width, Combine combine) {
+  for (int offset = width / 2; offset > 0; offset >>= 1) v = combine(v, shfl_xor(v, offset));
+  return v;
+}
 
 // ---------------------------------------------------------------------------------------------
-// Block coordinates. Grid is 1-D over N * splits * tiles blocks (64-bit safe, no gridDim.y limit);
-// `reverse` walks blocks last-to-first so that a second pass starts on the rows the first pass left in L2.
+// Block coordinates: a 1-D grid of N * tiles * splits blocks (64-bit safe), split fastest so that the blocks of
+// one (n, tile) are consecutive (and form one thread-block cluster when clustered). `reverse` walks the grid
+// last-to-first, so that a second pass starts on the rows the first pass left in L2.
 // ---------------------------------------------------------------------------------------------
 struct BlockCoord {
   int64_t n;
-  int64_t split;
   int64_t tile;
-  int col;       // vector index inside the tile (this thread's channels)
-  int rowlane;   // row offset inside the block
-  int64_t c0;    // first channel of this thread's vector
-  bool active;   // this thread's vector exists (the last tile of a row can be partial; threads past
-                 // tile_vecs * block_rows only pad the block to whole warps)
+  int64_t rank;     // split of its (n, tile): rows [rank * rows_per_block, +rows_per_block)
+  int col;          // vector index inside the tile (this thread's channels)
+  int rowlane;      // row offset inside the block
+  int group_local;  // this thread's group inside the tile
+  int64_t group;    // this thread's group
+  int64_t c0;       // first channel of this thread's vector
+  bool active;      // this thread holds a vector (threads past tile_vecs * block_rows only pad the block to warps)
   int64_t row_begin;
   int64_t row_end;
 };
 
-__device__ __forceinline__ BlockCoord block_coord_at(const Geometry& g, int64_t n, int64_t split, int64_t tile) {
+__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse = false) {
   BlockCoord b;
-  b.n = n;
-  b.split = split;
-  b.tile = tile;
+  // 32-bit division (the grid has fewer than 2^31 blocks): 64-bit division is a long emulated sequence, on the
+  // critical path of the small kernels.
+  const unsigned bid = reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const unsigned splits = (unsigned)g.splits, tiles = (unsigned)g.tiles;
+  b.rank = bid % splits;
+  b.tile = bid / splits % tiles;
+  b.n = bid / splits / tiles;
   b.col = threadIdx.x % g.tile_vecs;
   b.rowlane = threadIdx.x / g.tile_vecs;
-  const int64_t vec_index = b.tile * g.tile_vecs + b.col;
-  b.c0 = vec_index * g.vec;
-  b.active = b.c0 < g.C && b.rowlane < g.block_rows;
-  b.row_begin = b.split * g.rows_per_split;
-  b.row_end = min(b.row_begin + g.rows_per_split, g.S);
+  b.active = b.rowlane < g.block_rows;
+  b.group_local = b.col / g.vecs_per_group;
+  b.group = b.tile * g.groups_per_tile + b.group_local;
+  b.c0 = b.group * g.D + (int64_t)(b.col % g.vecs_per_group) * g.vec;
+  b.row_begin = b.rank * g.rows_per_block;
+  b.row_end = min(b.row_begin + g.rows_per_block, g.S);
   return b;
 }
 
-// Blocks ordered (n, split, tile), tile fastest.
-__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse) {
-  const int64_t bid = reverse ? (int64_t)gridDim.x - 1 - blockIdx.x : (int64_t)blockIdx.x;
-  return block_coord_at(g, bid / g.tiles / g.splits, bid / g.tiles % g.splits, bid % g.tiles);
+// Rows this thread visits: rowlane, rowlane + block_rows, ... of the block's range.
+__device__ __forceinline__ int64_t thread_rows(const Geometry& g, const BlockCoord& b) {
+  const int64_t first = b.row_begin + b.rowlane;
+  return b.active && first < b.row_end ? (b.row_end - 1 - first) / g.block_rows + 1 : 0;
 }
 
-// Rows processed per batch by each thread in passes that store (normalize, dx).
-constexpr int kUnroll = 4;
-// Reduction passes (no stores to overlap with) keep more rows in flight, as raw 16-byte packs: 128 bytes
-// per thread in 32 registers.
-constexpr int kReduceUnroll = 8;
-
-// Visits rows r = first, first + step, ... < end in batches of U: `load(r)` for every row of a batch is
-// issued before `use(r, loaded, valid)` runs on any of them. A partial last batch loads the last row again in
-// place of the missing ones (an L1 hit) and passes valid = false for them, rather than falling back to a
-// tail loop: a thread with few rows (small images, many splits) then waits for one memory round trip per
-// batch instead of one per row, and on small tensors this latency, not bandwidth, is the cost.
-// `use` must be branch-free in `valid` up to its stores (select, don't skip): ptxas then allocates registers
-// as for a plain unrolled loop, where skipped or predicated uses cost 15-60 registers more per thread.
-// The last rows go in batches of UTail <= U (U full rows, then UTail clamped ones, fit the same registers).
-template <int U, int UTail, typename Load, typename Use>
-__device__ __forceinline__ void for_rows(int64_t first, int64_t end, int64_t step, Load load, Use use) {
-  int64_t r = first;
-  for (; r + (U - 1) * step < end; r += U * step) {
-    decltype(load(r)) loaded[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) loaded[u] = load(r + u * step);
-#pragma unroll
-    for (int u = 0; u < U; ++u) use(r + u * step, loaded[u], true);
-  }
-  for (; r < end; r += UTail * step) {
-    decltype(load(r)) loaded[UTail];
-#pragma unroll
-    for (int u = 0; u < UTail; ++u) loaded[u] = load(min(r + u * step, end - 1));
-#pragma unroll
-    for (int u = 0; u < UTail; ++u) use(r + u * step, loaded[u], r + u * step < end);
-  }
+// Row r of this thread's u-th visit (rows rowlane, rowlane + block_rows, ... of the block's range).
+__device__ __forceinline__ int64_t thread_row(const Geometry& g, const BlockCoord& b, int64_t u) {
+  return b.row_begin + b.rowlane + u * g.block_rows;
 }
+
+// Rows visited per batch by passes that stream (rows not resident): loads of a batch are issued together.
+constexpr int kStreamUnroll = 4;
 
 }  // namespace gn_patch

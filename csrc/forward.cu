@@ -1,366 +1,256 @@
-// Forward: y = act((x - mean[n,g]) * rstd[n,g] * weight[c] + bias[c]) on channels-last (N, S, C) data.
+// Forward: y = act(((x - mean[n,g]) * rstd[n,g] * weight[c] + bias[c]) * (1 + scale[n,c]) + shift[n,c]) on
+// channels-last (N, S, C) data.
 //
-// Fused geometry (small images or many of them): one kernel, grid (N * tiles): each block gathers the
-// statistics of whole groups, then normalises the same rows, kept in registers when each thread has at most
-// kReduceUnroll of them, else read a second time (from L2).
-// Split geometry (few images, many rows: e.g. a batch-1 VAE decode has N*G = 32 groups for 132 SMs):
-//   1. stats_partial  grid (N * splits * tiles): (mean, m2) of one row range per group (or channel) -> scratch
-//   2. stats_finalize one block per (n, g): Chan-combines the splits' partials -> mean, rstd (+ mean offset)
-//   3. normalize      grid as 1, walked in reverse so it starts on the rows still in L2.
-// Cluster geometry (sm_90+, in place of the split one when each thread can hold its rows in registers): the
-// splits of one (n, tile) form a thread-block cluster that exchanges per-group partials through distributed
-// shared memory; one kernel, x read once.
-#include <c10/cuda/CUDAException.h>
-#include <cooperative_groups.h>
-
-#include "dispatch.cuh"
+// Clustered (one kernel; grid N * tiles * splits, see Geometry): each block reduces its rows of its tile's groups
+// to per-group Welford statistics; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
+// through distributed shared memory in rank order; every block then normalises its rows, from registers when
+// resident, else read again (from L2: the block read them moments before).
+// Unclustered (large images, wide tiles, more splits than a cluster holds):
+//   1. stats_kernel     the blocks' per-group statistics -> scratch
+//   2. finalize_kernel  one warp per (n, g) combines the splits' -> mean, rstd
+//   3. normalize_kernel grid as 1, walked in reverse to start on the rows still in L2.
+//
+// Within a thread, statistics are sums of deviations from the batch's first element (one pass over the rows held
+// in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace gn_patch {
 namespace {
 
-// The reference value of each (n, g): x[n, first spatial position, first channel of g]. All statistics of a
-// group are accumulated as offsets from it, so large offsets (x = 1000 + 0.001 * noise) neither cancel in
-// the sums nor lose precision when partial means are combined or subtracted in float32.
-template <typename T>
-__device__ __forceinline__ float group_reference(const T* x, const Geometry& g, int64_t n, int64_t group) {
-  return to_float(x[n * g.S * g.C + group * g.D]);
-}
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
-// Per lane j (channel c0 + j): its group's reference value and the affine parameters. Loaded before the data
-// rows, so that these dependent-free loads overlap the data's instead of following the reductions.
-template <int V>
-struct LaneAffine {
-  float ref[V], weight[V], bias[V];
-};
-
-template <typename T, int V>
-__device__ __forceinline__ void lane_reference(const T* x, const Geometry& g, const BlockCoord& b, float (&ref)[V]) {
+// Statistics of the first `rows` of U packs in one pass over the registers: sums of the deviations from the
+// batch's first element k (the reference), mean = k + s1 / n, m2 = s2 - s1^2 / n. The deviations stay within the
+// batch's own spread, so neither a large common offset nor an outlier cancels: the rounding error of m2 is a few
+// ulp of n times the squared distance of k from the batch mean, itself part of m2.
+template <typename T, int V, int U>
+__device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int rows) {
+  if (rows == 0) return Welford{};
+  const float k = bits_to_float<T>(packs[0].v[0]);
+  float s1 = 0.f, s2 = 0.f;
 #pragma unroll
-  for (int j = 0; j < V; ++j) ref[j] = b.active ? group_reference(x, g, b.n, (b.c0 + j) / g.D) : 0.f;
-}
-
-template <typename T, int V>
-__device__ __forceinline__ LaneAffine<V> load_lane_affine(const ForwardArgs& a, const BlockCoord& b) {
-  LaneAffine<V> p;
-  lane_reference<T, V>(static_cast<const T*>(a.x), a.geo, b, p.ref);
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int64_t c = b.active ? b.c0 + j : 0;
-    p.weight[j] = load_param<T>(a.weight, a.params_fp32, c, 1.f);
-    p.bias[j] = load_param<T>(a.bias, a.params_fp32, c, 0.f);
-  }
-  return p;
-}
-
-// Per-channel sums of d = x - ref over the rows one thread visits. Few rows per thread, so the plain sums lose
-// little to cancellation; the block then combines the threads' results as Welford triples.
-template <int V>
-struct ShiftedSums {
-  float s1[V] = {}, s2[V] = {};
-  float count = 0.f;
-
-  // Adds one row when `valid` (else adds zeros: branch-free, see for_rows).
-  template <typename T>
-  __device__ __forceinline__ void add(const Pack<T, V>& raw, const float (&ref)[V], bool valid) {
+  for (int u = 0; u < U; ++u) {
     float v[V];
-    unpack<T, V>(raw, v);
+    unpack<T, V>(packs[u], v);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float d = valid ? v[j] - ref[j] : 0.f;
-      s1[j] += d;
-      s2[j] = fmaf(d, d, s2[j]);
+      const float d = u < rows ? v[j] - k : 0.f;
+      s1 += d;
+      s2 = fmaf(d, d, s2);
     }
-    count += valid ? 1.f : 0.f;
   }
+  const float count = (float)(rows * V);
+  const float mean = s1 / count;
+  const float m2 = s2 - s1 * mean;
+  return Welford{k, mean, m2 < 0.f ? 0.f : m2, count};  // a select, not fmaxf: NaN propagates
+}
 
-  __device__ __forceinline__ void to_welford(Welford (&w)[V]) const {
-    const float inv = count > 0.f ? 1.f / count : 0.f;
+// Loads this thread's rows u0, u0 + 1, ... (< rows) of its visit order into packs.
+template <typename T, int V, int U>
+__device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base, const Geometry& g,
+                                          const BlockCoord& b, int64_t u0, int64_t rows) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u0 + u < rows) packs[u] = load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C);
+  }
+}
+
+// Statistics of the rows this thread streams (not resident), a batch of U rows in flight at a time.
+template <typename T, int V, int U>
+__device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry& g, const BlockCoord& b, int64_t rows) {
+  Welford w{};
+  for (int64_t u0 = 0; u0 < rows; u0 += U) {
+    Pack<T, V> batch[U];  // a fresh array per batch: one carried across iterations went to local memory
+    load_rows<T, V, U>(batch, base, g, b, u0, rows);
+    w = welford_combine(w, rows_stats<T, V, U>(batch, (int)min((int64_t)U, rows - u0)));
+  }
+  return w;
+}
+
+// The affine parameters are read after the reductions; fetching them now takes their latency off that path.
+template <typename T>
+__device__ __forceinline__ void prefetch_params(const ForwardArgs& a, const BlockCoord& b) {
+  if (!b.active) return;
+  const int64_t param = b.c0 * (a.params_fp32 ? 4 : sizeof(T));
+  const int64_t sample = (b.n * a.geo.C + b.c0) * (a.modulation_fp32 ? 4 : sizeof(T));
+  if (a.weight) prefetch_l1(static_cast<const char*>(a.weight) + param);
+  if (a.bias) prefetch_l1(static_cast<const char*>(a.bias) + param);
+  if (a.scale) prefetch_l1(static_cast<const char*>(a.scale) + sample);
+  if (a.shift) prefetch_l1(static_cast<const char*>(a.shift) + sample);
+}
+
+// y = act((x - ref) * scale + shift) per lane, folding rstd, the mean offset, the affine parameters and the
+// modulation; `stats` = (ref, mean offset, rstd) of the thread's group.
+template <typename T, int V>
+struct LaneAffine {
+  float ref, scale[V], shift[V];
+
+  __device__ __forceinline__ LaneAffine(const ForwardArgs& a, const BlockCoord& b, float4 stats) : ref(stats.x) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      w[j].mean = s1[j] * inv;
-      w[j].m2 = fmaxf(s2[j] - s1[j] * s1[j] * inv, 0.f);
-      w[j].count = count;
+      const ChannelParams p = load_channel_params<T>(a, b.n, b.c0 + j);
+      const float s = stats.z * p.weight;
+      scale[j] = s * p.modulation;
+      shift[j] = fmaf(p.bias - stats.y * s, p.modulation, p.shift);
     }
   }
 };
 
-// Per-thread statistics of its V channels over the rows it visits, as Welford triples whose means are
-// offsets from the channel's group reference.
-template <typename T, int V>
-__device__ __forceinline__ void thread_stats(const T* x, const Geometry& g, const BlockCoord& b, const float (&ref)[V],
-                                             Welford (&w)[V]) {
-  ShiftedSums<V> sums;
-  if (b.active) {
-    const T* base = x + b.n * g.S * g.C + b.c0;
-    for_rows<kReduceUnroll, kUnroll>(
-        b.row_begin + b.rowlane, b.row_end, g.block_rows, [&](int64_t r) { return load_pack<T, V>(base + r * g.C); },
-        [&](int64_t, const Pack<T, V>& raw, bool valid) { sums.add(raw, ref, valid); });
-  }
-  sums.to_welford(w);
-}
-
-// y = act((x - ref) * scale + shift) of one row; ref is the group reference (x - ref is exact for x near it),
-// scale and shift fold weight, bias, the mean offset and rstd.
 template <typename T, int V, Act A>
-__device__ __forceinline__ void normalize_row(const Pack<T, V>& raw, T* y, const float (&ref)[V],
-                                              const float (&scale)[V], const float (&shift)[V], bool valid) {
+__device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, const LaneAffine<T, V>& l) {
   float v[V];
-  unpack<T, V>(raw, v);
+  unpack<T, V>(pack, v);
 #pragma unroll
-  for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j] - ref[j], scale[j], shift[j]));
-  if (valid) store_vec<T, V>(y, v);
+  for (int j = 0; j < V; ++j) v[j] = Activation<A>::f(fmaf(v[j] - l.ref, l.scale[j], l.shift[j]));
+  store_vec<T, V>(y, v);
 }
 
 template <typename T, int V, Act A>
-__device__ __forceinline__ void normalize_rows(const T* x, T* y, const Geometry& g, const BlockCoord& b,
-                                               const float (&ref)[V], const float (&scale)[V],
-                                               const float (&shift)[V]) {
-  if (!b.active) return;
-  const int64_t offset = b.n * g.S * g.C + b.c0;
-  for_rows<kUnroll, kUnroll / 2>(
-      b.row_begin + b.rowlane, b.row_end, g.block_rows,
-      [&](int64_t r) { return load_pack<T, V>(x + offset + r * g.C); },
-      [&](int64_t r, const Pack<T, V>& raw, bool valid) {
-        normalize_row<T, V, A>(raw, y + offset + r * g.C, ref, scale, shift, valid);
-      });
-}
-
-// Per lane: scale = rstd * weight and shift = bias - mean_offset * scale, with the group's mean offset and rstd
-// read at index (group - group_base).
-template <int V>
-__device__ __forceinline__ void fold_affine(const LaneAffine<V>& p, const Geometry& g, const BlockCoord& b,
-                                            const float* mean_offset, const float* rstd, int64_t group_base,
-                                            float (&scale)[V], float (&shift)[V]) {
+__device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
+                                                   int64_t rows, const LaneAffine<T, V>& l) {
+  for (int64_t u0 = 0; u0 < rows; u0 += kStreamUnroll) {
+    Pack<T, V> batch[kStreamUnroll];
+    load_rows<T, V, kStreamUnroll>(batch, x, g, b, u0, rows);
 #pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const int64_t group = b.active ? (b.c0 + j) / g.D - group_base : 0;
-    scale[j] = b.active ? rstd[group] * p.weight[j] : 0.f;
-    shift[j] = b.active ? p.bias[j] - mean_offset[group] * scale[j] : 0.f;
+    for (int u = 0; u < kStreamUnroll; ++u) {
+      if (u0 + u < rows) normalize_pack<T, V, A>(batch[u], y + thread_row(g, b, u0 + u) * g.C, l);
+    }
   }
 }
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kMaxThreads, kStatsBlocksPerSm) stats_partial_kernel(const ForwardArgs a) {
-  __shared__ Welford smem[kMaxThreads * V];
-  const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/false);
-  float ref[V];
-  lane_reference<T, V>(static_cast<const T*>(a.x), g, b, ref);
-  Welford w[V];
-  thread_stats<T, V>(static_cast<const T*>(a.x), g, b, ref, w);
-  reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
-  float2* out = reinterpret_cast<float2*>(a.partials) + (b.n * g.splits + b.split) * (g.group_tiles ? g.G : g.C);
-  if (g.group_tiles) {
-    const int64_t c0 = tile_first_channel(g, b.tile);
-    reduce_tile_groups<Welford>(
-        tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return smem[i]; }, welford_combine, warp_welford,
-        [&](int64_t gl, const Welford& t) { out[c0 / g.D + gl] = make_float2(t.mean, t.m2); });
-  } else if (b.rowlane == 0 && b.active) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) out[b.c0 + j] = make_float2(w[j].mean, w[j].m2);
+// (reference, mean offset, rstd) of a group's total statistics; writes mean and rstd when `out` is set.
+__device__ __forceinline__ float4 group_stats_of(const Welford& t, float eps, float* mean, float* rstd) {
+  const float r = rsqrtf(t.m2 / t.count + eps);
+  if (mean != nullptr) {
+    *mean = t.ref + t.mean;
+    *rstd = r;
   }
-}
-
-// One block per (n, g): Chan-combines the group's partials of every split (per group, or per channel when
-// tiles split groups), then writes mean, rstd and the mean offset from the group reference.
-template <typename T>
-__global__ void stats_finalize_kernel(const ForwardArgs a) {
-  const Geometry& g = a.geo;
-  const int64_t ng = blockIdx.x, n = ng / g.G, grp = ng % g.G;
-  const int64_t per_split = g.group_tiles ? 1 : g.D;  // entries of this group in one split
-  const float2* part = reinterpret_cast<const float2*>(a.partials);
-  Welford acc{};
-  for (int64_t i = threadIdx.x; i < g.splits * per_split; i += blockDim.x) {
-    const int64_t s = i / per_split;
-    const float2 p = part[((n * g.splits + s) * g.G + grp) * per_split + i % per_split];
-    const float rows = (float)min(g.rows_per_split, g.S - s * g.rows_per_split);
-    acc = welford_combine(acc, Welford{p.x, p.y, rows * (float)(g.D / per_split)});
-  }
-  acc = block_reduce(acc, welford_combine, warp_welford);
-  if (threadIdx.x == 0) {
-    a.mean[ng] = group_reference(static_cast<const T*>(a.x), g, n, grp) + acc.mean;
-    a.rstd[ng] = rsqrtf(acc.m2 / acc.count + a.eps);
-    a.mean_offsets[ng] = acc.mean;
-  }
+  return make_float4(t.ref, t.mean, r, 0.f);
 }
 
 template <typename T, int V, Act A>
-__global__ void __launch_bounds__(kMaxThreads, kNormalizeBlocksPerSm) normalize_kernel(const ForwardArgs a) {
-  const BlockCoord b = block_coord(a.geo, /*reverse=*/true);
-  const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
-  float scale[V], shift[V];
-  const int64_t stats = b.n * a.geo.G;
-  fold_affine<V>(p, a.geo, b, a.mean_offsets + stats, a.rstd + stats, 0, scale, shift);
-  normalize_rows<T, V, A>(static_cast<const T*>(a.x), static_cast<T*>(a.y), a.geo, b, p.ref, scale, shift);
-}
-
-// Fused geometry: the block's tile is whole groups and it sees every row of its image. kResident: every thread
-// has at most kReduceUnroll rows (Geometry::resident()), which are read once, kept in registers for the
-// normalisation, and so cost one memory round trip; otherwise the normalisation reads them again (from L2).
-template <typename T, int V, Act A, bool kResident>
-__global__ void __launch_bounds__(kMaxThreads, kFusedBlocksPerSm) fused_forward_kernel(const ForwardArgs a) {
-  __shared__ Welford smem[kMaxThreads * V];
-  __shared__ float group_offset[kMaxThreads * V];
-  __shared__ float group_rstd[kMaxThreads * V];
+__global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kernel(const ForwardArgs a) {
+  constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T));
+  __shared__ Welford items[kMaxThreads];
+  __shared__ Welford partial[kMaxThreads];
+  __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
+  __shared__ float4 group_stats[kMaxThreads];   // per tile group: (reference, mean offset, rstd)
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/false);
-  const T* x = static_cast<const T*>(a.x);
-  const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
-  const int64_t first = b.rowlane, step = g.block_rows, offset = b.n * g.S * g.C + b.c0;
-  auto resident_row = [&](int u) { return b.active && first + u * step < g.S; };
-  Pack<T, V> rows[kResident ? kReduceUnroll : 1];
-  {
-    Welford w[V];
-    if constexpr (kResident) {
-      ShiftedSums<V> sums;
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        if (b.active) rows[u] = load_pack<T, V>(x + offset + min(first + u * step, g.S - 1) * g.C);
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) sums.add(rows[u], p.ref, resident_row(u));
-      sums.to_welford(w);
-    } else {
-      thread_stats<T, V>(x, g, b, p.ref, w);
-    }
-    reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
-  }
-  // smem[i] now holds channel (tile start + i); warps take the tile's groups in turn.
-  const int64_t group_base = tile_first_channel(g, b.tile) / g.D;
-  reduce_tile_groups<Welford>(
-      tile_channel_count(g, b.tile) / g.D, g.D, [&](int64_t i) { return smem[i]; }, welford_combine, warp_welford,
-      [&](int64_t gl, const Welford& t) {
-        const float rstd = rsqrtf(t.m2 / t.count + a.eps);
-        group_offset[gl] = t.mean;
-        group_rstd[gl] = rstd;
-        a.mean[b.n * g.G + group_base + gl] = group_reference(x, g, b.n, group_base + gl) + t.mean;
-        a.rstd[b.n * g.G + group_base + gl] = rstd;
-      });
-  __syncthreads();
-  float scale[V], shift[V];
-  fold_affine<V>(p, g, b, group_offset, group_rstd, group_base, scale, shift);
-  T* y = static_cast<T*>(a.y);
-  if constexpr (kResident) {
-#pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      normalize_row<T, V, A>(rows[u], y + offset + (first + u * step) * g.C, p.ref, scale, shift, resident_row(u));
-    }
+  const BlockCoord b = block_coord(g);
+  const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
+  const int64_t rows = thread_rows(g, b);
+  prefetch_params<T>(a, b);
+
+  Pack<T, V> packs[kRows];  // resident rows
+  Welford w;
+  if (g.resident) {
+    load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
+    w = rows_stats<T, V, kRows>(packs, (int)rows);
   } else {
-    normalize_rows<T, V, A>(x, y, g, b, p.ref, scale, shift);
+    w = streamed_stats<T, V, kRows>(x, g, b, rows);
   }
-}
+  block_group_stats(w, items, partial, block_stats, g);
+  cluster_sync(g.cluster());
+  if (threadIdx.x < g.groups_per_tile) {
+    const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + threadIdx.x;
+    const Welford t = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
+    group_stats[threadIdx.x] =
+        group_stats_of(t, a.eps, b.rank == 0 ? a.mean + group : nullptr, a.rstd + group);
+  }
+  cluster_arrive(g.cluster());
+  __syncthreads();
 
-// Cluster geometry: block `rank` of the cluster for (n, tile) holds rows [rank * rows_per_split, +rows_per_split),
-// at most kClusterRows per thread, in registers. Each block writes its per-group Welford partials to its shared
-// memory; after a cluster barrier every block combines the cluster's partials in rank order (the same result in
-// every block, bitwise deterministic), normalises its rows and stores them.
-template <typename T, int V, Act A>
-__global__ void __launch_bounds__(kMaxThreads, kFusedBlocksPerSm) cluster_forward_kernel(const ForwardArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  __shared__ Welford smem[kMaxThreads * V];
-  __shared__ Welford block_partial[kMaxClusterTileGroups];
-  __shared__ float group_offset[kMaxClusterTileGroups];
-  __shared__ float group_rstd[kMaxClusterTileGroups];
-  const cg::cluster_group cluster = cg::this_cluster();
-  const Geometry& g = a.geo;
-  const int64_t cluster_index = blockIdx.x / g.cluster;
-  const BlockCoord b = block_coord_at(g, cluster_index / g.tiles, cluster.block_rank(), cluster_index % g.tiles);
-  const T* x = static_cast<const T*>(a.x);
-  const LaneAffine<V> p = load_lane_affine<T, V>(a, b);
-  const int64_t first = b.row_begin + b.rowlane, step = g.block_rows, offset = b.n * g.S * g.C + b.c0;
-  auto holds = [&](int u) { return b.active && first + u * step < b.row_end; };
-  Pack<T, V> rows[kClusterRows];
-  {
-    ShiftedSums<V> sums;
+  if (b.active) {
+    const LaneAffine<T, V> l(a, b, group_stats[b.group_local]);
+    T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
+    if (g.resident) {
 #pragma unroll
-    for (int u = 0; u < kClusterRows; ++u) {
-      // Rows past the split's end load its last row again (never out of bounds) and are masked below.
-      if (b.active) rows[u] = load_pack<T, V>(x + offset + max(min(first + u * step, b.row_end - 1), 0l) * g.C);
-    }
-#pragma unroll
-    for (int u = 0; u < kClusterRows; ++u) sums.add(rows[u], p.ref, holds(u));
-    Welford w[V];
-    sums.to_welford(w);
-    reduce_rowlanes<Welford, V>(w, smem, g, b.rowlane, welford_combine);
-  }
-  const int64_t tile_groups = tile_channel_count(g, b.tile) / g.D;
-  const int64_t group_base = tile_first_channel(g, b.tile) / g.D;
-  reduce_tile_groups<Welford>(
-      tile_groups, g.D, [&](int64_t i) { return smem[i]; }, welford_combine, warp_welford,
-      [&](int64_t gl, const Welford& t) { block_partial[gl] = t; });
-  cluster.sync();  // every block's partials are written and visible cluster-wide
-  if (threadIdx.x < tile_groups) {
-    Welford acc{};
-    for (int r = 0; r < g.cluster; ++r) {
-      acc = welford_combine(acc, *cluster.map_shared_rank(&block_partial[threadIdx.x], r));
-    }
-    const float rstd = rsqrtf(acc.m2 / acc.count + a.eps);
-    group_offset[threadIdx.x] = acc.mean;
-    group_rstd[threadIdx.x] = rstd;
-    if (b.split == 0) {
-      const int64_t group = group_base + threadIdx.x;
-      a.mean[b.n * g.G + group] = group_reference(x, g, b.n, group) + acc.mean;
-      a.rstd[b.n * g.G + group] = rstd;
-    }
-  }
-  // The peers have read this block's partials (so its shared memory may be released when it exits), and the
-  // group statistics are visible to the whole block.
-  cluster.sync();
-  float scale[V], shift[V];
-  fold_affine<V>(p, g, b, group_offset, group_rstd, group_base, scale, shift);
-  T* y = static_cast<T*>(a.y);
-#pragma unroll
-  for (int u = 0; u < kClusterRows; ++u) {
-    normalize_row<T, V, A>(rows[u], y + offset + (first + u * step) * g.C, p.ref, scale, shift, holds(u));
-  }
-#endif
-}
-
-template <typename T, int V, Act A>
-void launch_cluster(const ForwardArgs& a, cudaStream_t stream) {
-  cudaLaunchAttribute cluster_dims;
-  cluster_dims.id = cudaLaunchAttributeClusterDimension;
-  cluster_dims.val.clusterDim.x = (unsigned)a.geo.cluster;
-  cluster_dims.val.clusterDim.y = 1;
-  cluster_dims.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)a.geo.blocks());
-  config.blockDim = dim3((unsigned)a.geo.threads());
-  config.stream = stream;
-  config.attrs = &cluster_dims;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, cluster_forward_kernel<T, V, A>, a));
-}
-
-template <typename T, int V, Act A>
-struct Launch {
-  static void run(const ForwardArgs& a, cudaStream_t stream) {
-    const Geometry& g = a.geo;
-    const unsigned threads = g.threads();
-    const unsigned blocks = (unsigned)g.blocks();
-    if (g.cluster > 0) return launch_cluster<T, V, A>(a, stream);
-    if (g.fused) {
-      if (g.resident(kReduceUnroll)) {
-        fused_forward_kernel<T, V, A, true><<<blocks, threads, 0, stream>>>(a);
-      } else {
-        fused_forward_kernel<T, V, A, false><<<blocks, threads, 0, stream>>>(a);
+      for (int u = 0; u < kRows; ++u) {
+        if (u < rows) normalize_pack<T, V, A>(packs[u], y + thread_row(g, b, u) * g.C, l);
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
+    } else {
+      normalize_streamed<T, V, A>(x, y, g, b, rows, l);
     }
-    stats_partial_kernel<T, V><<<blocks, threads, 0, stream>>>(a);
+  }
+  cluster_wait(g.cluster());
+}
+
+// Unclustered, 1: the block's per-group statistics -> partials[(n * splits + split) * G + group].
+template <typename T, int V>
+__global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel(const ForwardArgs a) {
+  constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T));
+  __shared__ Welford items[kMaxThreads];
+  __shared__ Welford partial[kMaxThreads];
+  __shared__ Welford block_stats[kMaxThreads];
+  const Geometry& g = a.geo;
+  const BlockCoord b = block_coord(g);
+  const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
+  block_group_stats(streamed_stats<T, V, kRows>(x, g, b, thread_rows(g, b)), items, partial, block_stats, g);
+  __syncthreads();
+  if (threadIdx.x < g.groups_per_tile) {
+    const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;
+    reinterpret_cast<Welford*>(a.partials)[(b.n * g.splits + b.rank) * g.G + group] = block_stats[threadIdx.x];
+  }
+}
+
+// Unclustered, 2: one warp per (n, g) combines the splits' partials (lane-strided, then a butterfly: a fixed
+// order) -> group_stats, mean, rstd.
+constexpr int kFinalizeThreads = 256;
+
+__global__ void finalize_kernel(const ForwardArgs a) {
+  const Geometry& g = a.geo;
+  const int64_t ng = (int64_t)blockIdx.x * (kFinalizeThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (ng >= g.N * g.G) return;  // whole warps: the butterfly below stays within full warps
+  const Welford* partials = reinterpret_cast<const Welford*>(a.partials);
+  const int64_t n = ng / g.G, group = ng % g.G;
+  Welford w{};
+  for (int64_t s = lane; s < g.splits; s += 32) w = welford_combine(w, partials[(n * g.splits + s) * g.G + group]);
+  w = lanes_reduce(w, 32, welford_combine);
+  if (lane == 0) reinterpret_cast<float4*>(a.group_stats)[ng] = group_stats_of(w, a.eps, a.mean + ng, a.rstd + ng);
+}
+
+// Unclustered, 3: normalise the block's rows with its groups' statistics.
+template <typename T, int V, Act A>
+__global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_kernel(const ForwardArgs a) {
+  const Geometry& g = a.geo;
+  const BlockCoord b = block_coord(g, /*reverse=*/true);
+  if (!b.active) return;  // no barriers in this kernel
+  const int64_t offset = b.n * g.S * g.C + b.c0;
+  const LaneAffine<T, V> l(a, b, reinterpret_cast<const float4*>(a.group_stats)[b.n * g.G + b.group]);
+  normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<T*>(a.y) + offset, g, b,
+                              thread_rows(g, b), l);
+}
+
+template <typename T, int V, Act A>
+struct ForwardKernels {
+  static void fn(const ForwardArgs& a, cudaStream_t stream) {
+    const Geometry& g = a.geo;
+    if (g.clustered) return launch_kernel(forward_kernel<T, V, A>, g, stream, a);
+    launch_kernel(stats_kernel<T, V>, g, stream, a);
+    const unsigned finalize_blocks = (unsigned)((g.N * g.G + kFinalizeThreads / 32 - 1) / (kFinalizeThreads / 32));
+    finalize_kernel<<<finalize_blocks, kFinalizeThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    stats_finalize_kernel<T><<<(unsigned)(g.N * g.G), kFinalizeThreads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    normalize_kernel<T, V, A><<<blocks, threads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(normalize_kernel<T, V, A>, g, stream, a);
+  }
+};
+
+template <typename T, int V, Act A>
+struct ForwardMaxCluster {
+  static int fn() {
+    static std::array<std::atomic<int>, 64> cache{};
+    return query_max_cluster(forward_kernel<T, V, A>, cache);
   }
 };
 
 }  // namespace
 
-void launch_forward(const ForwardArgs& a, cudaStream_t stream) { dispatch<Launch>(a, stream); }
+void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
+  if (a.geo.blocks() == 0) return;
+  dispatch<ForwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
+}
+
+int forward_max_cluster(ScalarKind dtype, int vec, Act act) { return dispatch<ForwardMaxCluster>(dtype, vec, act); }
 
 }  // namespace gn_patch

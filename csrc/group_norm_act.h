@@ -5,74 +5,113 @@
 #include <cstdint>
 #include <cuda_runtime_api.h>
 
+// Functions of the interface's structs that kernels call too.
+#ifdef __CUDACC__
+#define GN_PATCH_HOST_DEVICE __host__ __device__
+#else
+#define GN_PATCH_HOST_DEVICE
+#endif
+
 namespace gn_patch {
 
 enum class ScalarKind : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 
-// The activation fused after the normalisation; a compile-time template parameter of every kernel.
-enum class Act : int { kIdentity = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3, kRelu = 4 };
+// The activation applied after the normalisation; a compile-time template parameter of every kernel.
+enum class Act : int { kIdentity = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3, kRelu = 4, kMish = 5 };
 
-// How one (N, S, C) channels-last tensor is cut into thread blocks. Both passes of an op use the same cut.
-//   - A row is one spatial position: C contiguous channels, read as C / vec vectors of `vec` elements.
-//   - A tile is `tile_vecs` consecutive vectors of a row; a block owns one (image n, split, tile) and walks
-//     rows [split * rows_per_split, +rows_per_split) with `block_rows` rows in flight, one vector per thread.
-//   - fused: one split per image and tiles made of whole groups, so a single block sees every element of
-//     its groups and the statistics, normalisation (or gradient) run in one kernel.
-//   - split: partial results per (n, split) are written to scratch and combined by a finalize kernel; per
-//     group when tiles hold whole groups, else per channel (a group wider than any tile, e.g. G = 1).
-struct Geometry {
-  int64_t N = 0;             // batch
-  int64_t S = 0;             // spatial positions per image (H*W, D*H*W or L)
-  int64_t C = 0;             // channels
-  int64_t G = 0;             // groups
-  int64_t D = 0;             // channels per group, C / G
-  int vec = 1;               // elements per vector access (16 bytes, or 1 when C or a pointer does not allow it)
-  int tile_vecs = 1;         // vectors per tile (threads per block row)
-  int64_t tiles = 1;         // tiles per row
-  int block_rows = 1;        // rows a block processes at once; threads = tile_vecs * block_rows
-  int64_t splits = 1;        // row ranges per image
-  int64_t rows_per_split = 0;
-  bool group_tiles = false;  // every tile holds whole groups (so blocks can reduce per group)
-  bool fused = false;
-  // Forward only, sm_90+: > 0 when the `cluster` splits of one (n, tile) run as one thread-block cluster that
-  // exchanges per-group partial statistics through distributed shared memory, each thread holding its rows in
-  // registers (x read once, one kernel). splits == cluster then.
-  int cluster = 0;
+// Threads per block never exceed this.
+constexpr int kMaxThreads = 256;
+// The most blocks one (image, tile) is spread over: a thread-block cluster of 16 is the largest sm_90 schedules
+// (more than 8 is "non-portable" and needs an opt-in per kernel).
+constexpr int kMaxCluster = 16;
 
-  // Whole warps: the warp-level group reductions use full-mask shuffles.
-  int threads() const { return (tile_vecs * block_rows + 31) / 32 * 32; }
-  int64_t blocks() const { return N * splits * tiles; }
-  // Every thread of a fused block visits at most `rows` rows (so they can stay in registers).
-  bool resident(int rows) const { return fused && S <= (int64_t)rows * block_rows; }
+// Blocks per SM each pass's kernels are compiled for (__launch_bounds__; register caps of 85 and 128 per thread).
+constexpr int kForwardBlocksPerSm = 3;
+constexpr int kBackwardBlocksPerSm = 2;
+// Channels of one tile, at most (the backward keeps per-channel sums of a tile in shared memory).
+constexpr int kMaxTileChannels = 1024;
+
+// What the device offers the geometry (read once per device by the op binding).
+struct DeviceLimits {
+  int num_sms = 1;
+  int max_cluster = 1;  // 1: no thread-block clusters (before sm_90)
 };
 
-// `aligned16`: every data pointer the kernels will touch is 16-byte aligned.
-Geometry make_geometry(int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, bool aligned16, int num_sms);
+// Which pass a geometry is for: the two hold different data per thread in registers.
+enum class Pass : int { kForward = 0, kBackward = 1 };
 
-// Rows each thread of a cluster-geometry block holds in registers, and the most groups one tile may hold there.
-constexpr int kClusterRows = 6;
-constexpr int kMaxClusterTileGroups = 16;
+// How one (N, S, C) channels-last tensor is cut into thread blocks.
+//   - A row is one spatial position: C contiguous channels, read as vectors of `vec` elements. vec divides the
+//     group size D, so every vector (every thread) lies in one group.
+//   - A tile is `groups_per_tile` consecutive groups: tile_vecs = groups_per_tile * vecs_per_group vectors of a
+//     row. Block threads are (rowlane, col) with col < tile_vecs fastest; a block walks its rows block_rows at a
+//     time.
+//   - The rows of one (image n, tile) are split over `splits` blocks (rows_per_block each). Clustered: the splits
+//     form one thread-block cluster that combines its group statistics (forward) or channel sums (backward)
+//     through distributed shared memory, and each pass is one kernel. Otherwise (more splits than a cluster holds,
+//     for large images with wide tiles) partial results go through global scratch: three kernels per pass.
+//   - resident: every thread has at most resident_rows(pass) rows, kept in registers between the reduction and
+//     the output (x read once); otherwise the output pass reads the block's rows again.
+struct Geometry {
+  int64_t N = 0;  // batch
+  int64_t S = 0;  // spatial positions per image (H*W, D*H*W or L)
+  int64_t C = 0;  // channels
+  int64_t G = 0;  // groups
+  int64_t D = 0;  // channels per group, C / G
+  int vec = 1;
+  int vecs_per_group = 1;
+  int groups_per_tile = 1;
+  int tile_vecs = 1;
+  int64_t tiles = 1;
+  int block_rows = 1;
+  int64_t splits = 1;
+  bool clustered = true;
+  int64_t rows_per_block = 0;
+  int64_t rows_per_thread = 0;  // the most rows one thread visits
+  bool resident = false;
 
-// The forward's geometry: make_geometry's, or the cluster geometry where it replaces the split one
-// (`cluster_capable`: the device has compute capability 9.0 or newer).
-Geometry make_forward_geometry(int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, bool aligned16, int num_sms,
-                               bool cluster_capable);
+  int threads() const { return (tile_vecs * block_rows + 31) / 32 * 32; }
+  int64_t blocks() const { return N * tiles * splits; }
+  // Blocks per thread-block cluster (1: no cluster).
+  GN_PATCH_HOST_DEVICE int cluster() const { return clustered ? (int)splits : 1; }
+};
+
+// Rows a thread keeps in registers: up to 32 registers of data and 16 rows in the forward, up to 16 registers
+// and 8 rows each of x and dy in the backward (row addresses and lane constants take registers too).
+constexpr int pack_registers(int vec_bytes) { return vec_bytes < 4 ? 1 : vec_bytes / 4; }
+constexpr int resident_rows(Pass pass, int vec_bytes) {
+  const int rows = (pass == Pass::kForward ? 32 : 16) / pack_registers(vec_bytes);
+  const int cap = pass == Pass::kForward ? 16 : 8;
+  return rows < cap ? rows : cap;
+}
+
+// The widest vector (elements) that divides D, fits 16 bytes and keeps every accessed pointer aligned.
+// `alignment`: the largest power of two dividing every data pointer's address (bytes).
+int choose_vec(int64_t D, int elem_size, int64_t alignment);
+
+// The geometry of `pass` for vector width `vec` (from choose_vec).
+Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, int vec,
+                       const DeviceLimits& limits);
 
 struct ForwardArgs {
   Geometry geo;
   ScalarKind dtype;
   Act act;
   const void* x;
-  const void* weight;  // nullptr: all ones
-  const void* bias;    // nullptr: all zeros
+  const void* weight;  // (C,) or nullptr: all ones
+  const void* bias;    // (C,) or nullptr: all zeros
+  const void* scale;   // (N, C) or nullptr: y = act(GN(x) * (1 + scale) + shift)
+  const void* shift;   // (N, C) or nullptr
   bool params_fp32;    // weight/bias are float32 (else the input's dtype)
+  bool modulation_fp32;  // scale/shift are float32 (else the input's dtype)
   float eps;
   void* y;
-  float* mean;         // (N, G)
-  float* rstd;         // (N, G)
-  float* partials;     // (N, splits, G or C) pairs of (mean offset, m2), per group when geo.group_tiles;
-                       // unused when geo.fused
-  float* mean_offsets; // (N, G) mean minus the group reference value; unused when geo.fused
+  float* mean;  // (N, G)
+  float* rstd;  // (N, G)
+  // Unclustered splits only (else nullptr): (N, splits, G) partial statistics, then (N, G) group statistics,
+  // 4 floats each (struct Welford; then reference, mean offset, rstd).
+  float* partials;
+  float* group_stats;
 };
 
 struct BackwardArgs {
@@ -83,18 +122,31 @@ struct BackwardArgs {
   const void* x;
   const void* weight;
   const void* bias;
+  const void* scale;
+  const void* shift;
   bool params_fp32;
+  bool modulation_fp32;
   const float* mean;
   const float* rstd;
-  void* dx;             // nullptr: dx not required
-  void* dweight;        // nullptr: not required; else weight's dtype, (C,)
-  void* dbias;          // nullptr: not required; else bias's dtype, (C,)
-  float* channel_sums;  // (N, splits, C) pairs of (sum du, sum du*xhat); splits = 1 when geo.fused
-  float* group_sums;    // (N, splits, G) pairs of (sum w*du, sum w*du*xhat); split geometry with group tiles
-  float* coeffs;        // (N, G) pairs of the dx coefficients (mean of w*du, mean of w*du*xhat)
+  void* dx;            // nullptr: not required
+  void* dweight;       // nullptr: not required; else weight's dtype, (C,)
+  void* dbias;         // nullptr: not required; else bias's dtype, (C,)
+  void* dscale;        // nullptr: not required; else scale's dtype, (N, C)
+  void* dshift;        // nullptr: not required; else shift's dtype, (N, C)
+  float* param_sums;   // (N, C) pairs (sum du * m, sum du * m * xhat) for dweight/dbias when N > 1, else nullptr
+  // Unclustered splits only (else nullptr): (N, splits, C) pairs of channel sums (sum du, sum du * xhat), then
+  // (N, G) pairs of dx coefficients.
+  float* channel_partials;
+  float* coefficients;
 };
 
 void launch_forward(const ForwardArgs& args, cudaStream_t stream);
 void launch_backward(const BackwardArgs& args, cudaStream_t stream);
+
+// The largest cluster (power of two <= kMaxCluster) the pass's kernel for (dtype, vec, act) launches with on the
+// current device: 1 without thread-block clusters (before sm_90). Cached per device; opts the kernel in to
+// clusters larger than 8 where the device schedules them.
+int forward_max_cluster(ScalarKind dtype, int vec, Act act);
+int backward_max_cluster(ScalarKind dtype, int vec, Act act);
 
 }  // namespace gn_patch

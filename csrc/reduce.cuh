@@ -1,91 +1,135 @@
-// Block-level reductions over the rows a block holds in flight, shared by forward and backward.
+// Block- and cluster-level reductions shared by the forward and backward kernels. Every reduction has a fixed
+// order, so results are bitwise deterministic.
 #pragma once
+
+#include <cooperative_groups.h>
 
 #include "common.cuh"
 
 namespace gn_patch {
 
-// Threads per block never exceed this (Geometry keeps tile_vecs * block_rows <= kMaxThreads).
-constexpr int kMaxThreads = 256;
-
-// Resident blocks per SM asked of the compiler through __launch_bounds__, which caps the registers per thread
-// (65536 / (kMaxThreads * blocks)). Without the cap the batched, predicated loads let ptxas grow the forward
-// passes from ~64 to 100-160 registers, halving the warps in flight that hide DRAM latency and splitting
-// mid-size grids into two waves.
-constexpr int kNormalizeBlocksPerSm = 4;  // normalize: <= 64 registers
-constexpr int kStatsBlocksPerSm = 3;      // stats_partial: <= 85 registers
-constexpr int kGradBlocksPerSm = 2;       // grad_partial, dx, fused_backward: <= 128 registers
-// fused_forward (<= 128 registers): holds its rows, or the affine parameters through the statistics. Its
-// grids are mostly under one wave (few, small images), where occupancy does not limit it.
-constexpr int kFusedBlocksPerSm = 2;
-
-__device__ __forceinline__ int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-// Tree-combines each thread's V accumulators with those of the threads holding the same channels in the
-// other rows of the block (fixed order: bitwise deterministic). Afterwards smem[col * V + j] holds the
-// block total of channel (tile start + col * V + j) and rowlane 0's `acc` equals it.
-// smem must hold threads * V entries. Ends with a barrier.
-template <typename Acc, int V, typename Combine>
-__device__ __forceinline__ void reduce_rowlanes(Acc (&acc)[V], Acc* smem, const Geometry& g, int rowlane,
-                                                Combine combine) {
-#pragma unroll
-  for (int j = 0; j < V; ++j) smem[threadIdx.x * V + j] = acc[j];
-  for (int stride = next_pow2(g.block_rows) / 2; stride > 0; stride >>= 1) {
-    __syncthreads();
-    if (rowlane < stride && rowlane + stride < g.block_rows) {
-      const int partner = (threadIdx.x + stride * g.tile_vecs) * V;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        acc[j] = combine(acc[j], smem[partner + j]);
-        smem[threadIdx.x * V + j] = acc[j];
+// Per-group totals of a block. Thread t contributes `w` (its group's statistics over its rows); afterwards, for
+// gl < groups_per_tile, out[gl] holds the block's total of tile group gl (valid after a barrier).
+// items and partial: kMaxThreads entries of shared memory. Warps share out the groups; a group's
+// vecs_per_group * block_rows items are read by all the warps assigned to it and combined by butterflies.
+__device__ __forceinline__ void block_group_stats(const Welford& w, Welford* items, Welford* partial, Welford* out,
+                                                  const Geometry& g) {
+  items[threadIdx.x] = w;
+  __syncthreads();
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = g.groups_per_tile;
+  const int warps_per_group = max(1, warps / groups);
+  const int concurrent = warps / warps_per_group;
+  const int per_group = g.vecs_per_group * g.block_rows;
+  for (int g0 = 0; g0 < groups; g0 += concurrent) {  // uniform across the block
+    const int gl = g0 + warp / warps_per_group, part = warp % warps_per_group;
+    const bool on = warp < concurrent * warps_per_group && gl < groups;
+    Welford acc{};
+    if (on) {
+      for (int i = part * 32 + lane; i < per_group; i += warps_per_group * 32) {
+        const int rowlane = i / g.vecs_per_group;
+        const int k = i - rowlane * g.vecs_per_group;
+        acc = welford_combine(acc, items[rowlane * g.tile_vecs + gl * g.vecs_per_group + k]);
       }
     }
+    acc = lanes_reduce(acc, 32, welford_combine);
+    if (on && lane == 0) partial[gl * warps_per_group + part] = acc;
   }
+  __syncthreads();
+  if (threadIdx.x < groups) {
+    Welford acc{};
+    for (int p = 0; p < warps_per_group; ++p) acc = welford_combine(acc, partial[threadIdx.x * warps_per_group + p]);
+    out[threadIdx.x] = acc;
+  }
+}
+
+// Per-channel totals of a block. Thread t contributes acc[j] for channel (col * V + j) of the tile; afterwards
+// out[ch] holds the block's total of tile channel ch < tile_vecs * V (valid after a barrier).
+// items: kMaxThreads * V entries of shared memory. `per` lanes (a power of two) sum the rowlanes of one channel.
+template <int V>
+__device__ __forceinline__ void block_channel_sums(const float2 (&acc)[V], float2* items, float2* out,
+                                                   const Geometry& g) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) items[threadIdx.x * V + j] = acc[j];
+  __syncthreads();
+  const int channels = g.tile_vecs * V;
+  int per = 1;
+  while (per < 32 && per * 2 * channels <= (int)blockDim.x && per < g.block_rows) per *= 2;
+  const int concurrent = blockDim.x / per;
+  for (int ch0 = 0; ch0 < channels; ch0 += concurrent) {  // uniform across the block
+    const int ch = ch0 + threadIdx.x / per, p = threadIdx.x % per;
+    float2 s = make_float2(0.f, 0.f);
+    if (ch < channels) {
+      const int col = ch / V, j = ch - col * V;
+      for (int rowlane = p; rowlane < g.block_rows; rowlane += per) {
+        s = add2(s, items[(rowlane * g.tile_vecs + col) * V + j]);
+      }
+    }
+    s = lanes_reduce(s, per, add2);
+    if (ch < channels && p == 0) out[ch] = s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread-block clusters (sm_90+): the blocks of one (n, tile) exchange their partial results through distributed
+// shared memory. Every thread of every block must reach each barrier.
+// ---------------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GN_PATCH_CLUSTERS 1
+#else
+#define GN_PATCH_CLUSTERS 0
+#endif
+
+// All blocks' shared-memory writes before this point are visible to every block of the cluster after it (a full
+// cluster barrier, release/acquire). Also a block-level barrier. Without clusters: __syncthreads().
+__device__ __forceinline__ void cluster_sync(int cluster) {
+#if GN_PATCH_CLUSTERS
+  if (cluster > 1) {
+    cooperative_groups::this_cluster().sync();
+    return;
+  }
+#endif
   __syncthreads();
 }
 
-// Channels of a tile of whole groups -> groups: warp w reduces groups w, w + warps, ... of the tile;
-// value(i) gives channel i of the tile; emit(group_in_tile, total) runs on lane 0. Fixed order.
-template <typename Acc, typename Value, typename Combine, typename WarpReduce, typename Emit>
-__device__ __forceinline__ void reduce_tile_groups(int64_t tile_groups, int64_t D, Value value, Combine combine,
-                                                   WarpReduce warp_reduce, Emit emit) {
-  const int lane = threadIdx.x % 32;
-  for (int64_t gl = threadIdx.x / 32; gl < tile_groups; gl += blockDim.x / 32) {
+// Combines in rank order `*local` of every block of the cluster (the same result in every block). The remote loads
+// go out four at a time: one distributed-shared-memory round trip per four blocks.
+template <typename Acc, typename Combine>
+__device__ __forceinline__ Acc cluster_reduce(Acc* local, int cluster, Combine combine) {
+#if GN_PATCH_CLUSTERS
+  if (cluster > 1) {
+    constexpr int kBatch = 4;
+    const cooperative_groups::cluster_group group = cooperative_groups::this_cluster();
     Acc acc{};
-    for (int64_t i = lane; i < D; i += 32) acc = combine(acc, value(gl * D + i));
-    acc = warp_reduce(acc);
-    if (lane == 0) emit(gl, acc);
+    for (int r0 = 0; r0 < cluster; r0 += kBatch) {  // cluster is a power of two >= 2
+      Acc part[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        if (r0 + r < cluster) part[r] = *group.map_shared_rank(local, r0 + r);
+      }
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        if (r0 + r < cluster) acc = r0 + r == 0 ? part[r] : combine(acc, part[r]);
+      }
+    }
+    return acc;
   }
+#endif
+  return *local;
 }
 
-// Whole-block reduction in fixed order; the result is valid in thread 0. blockDim.x a multiple of 32.
-template <typename Acc, typename Combine, typename WarpReduce>
-__device__ __forceinline__ Acc block_reduce(Acc acc, Combine combine, WarpReduce warp_reduce) {
-  __shared__ Acc warp_totals[32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  acc = warp_reduce(acc);
-  if (lane == 0) warp_totals[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < (int)(blockDim.x / 32) ? warp_totals[lane] : Acc{};
-    acc = warp_reduce(acc);
-  }
-  return acc;
+// The peers have finished reading this block's shared memory: arrive after the last remote read, wait before the
+// block exits (its shared memory is released then). Block-local barriers between them are unaffected.
+__device__ __forceinline__ void cluster_arrive(int cluster) {
+#if GN_PATCH_CLUSTERS
+  if (cluster > 1) cooperative_groups::this_cluster().barrier_arrive();
+#endif
 }
 
-// Channels of tile `tile` (the last tile of a row can be partial).
-__device__ __forceinline__ int64_t tile_first_channel(const Geometry& g, int64_t tile) {
-  return tile * g.tile_vecs * g.vec;
+__device__ __forceinline__ void cluster_wait(int cluster) {
+#if GN_PATCH_CLUSTERS
+  if (cluster > 1) cooperative_groups::this_cluster().barrier_wait();
+#endif
 }
-__device__ __forceinline__ int64_t tile_channel_count(const Geometry& g, int64_t tile) {
-  return min((int64_t)g.tile_vecs * g.vec, g.C - tile_first_channel(g, tile));
-}
-
-// Blocks of the finalize kernels: one per (n, g).
-constexpr int kFinalizeThreads = 256;
 
 }  // namespace gn_patch

@@ -30,6 +30,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Run from a checkout without installing, as train_text_to_image.py does: the repository root holds gn_patch.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gn_patch.bench.results import commit_id
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = REPO / "examples" / "train_text_to_image.py"
 COMPARED_STEPS = 10
@@ -39,14 +43,17 @@ PER_RUN_KEYS = {"no_patch", "output_dir", "log_json", "gn_patch"}
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Other flags (e.g. --tiny, --gradient-checkpointing, --lora-rank) go to both runs of examples/train_text_to_image.py; its --help lists them.")
+                                     epilog="Other flags (e.g. --tiny, --gradient-checkpointing, --lora-rank) go to "
+                                            "both runs of examples/train_text_to_image.py; its --help lists them.")
     parser.add_argument("--output", type=Path, default=Path("training.json"), help="result JSON (default: %(default)s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
-                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched (default: %(default)s)")
+                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched "
+                             "(default: %(default)s)")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--one-gpu-json", type=Path,
                         help="this script's output for the same configuration on one GPU, to compute the scaling")
-    parser.add_argument("--commit", help="commit to record (default: `git rev-parse HEAD` of the repository)")
+    parser.add_argument("--commit", help="commit to record (default: $GN_PATCH_COMMIT, else `git rev-parse HEAD` of "
+                                         "the repository)")
     parser.add_argument("--resolution", type=int, help="image size (default: 512; the training script's with --tiny)")
     parser.add_argument("--train-batch-size", type=int, help="per device (default: 8; 1 with --tiny)")
     parser.add_argument("--max-train-steps", type=int, default=50)
@@ -82,15 +89,6 @@ def train(args: argparse.Namespace, extra: list[str], patched: bool) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"the {'patched' if patched else 'stock'} run failed (exit status {result.returncode})")
     return json.loads(log_path.read_text())
-
-
-def checked_out_commit() -> str:
-    """The checked-out commit of the repository, or "unknown" (no git, no commit yet, a copy without .git)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
 
 
 def summarize(stock: dict, patched: dict, commit: str) -> dict:
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
     one_gpu = json.loads(args.one_gpu_json.read_text()) if args.one_gpu_json else None
     stock, patched = train(args, extra, patched=False), train(args, extra, patched=True)
-    result = summarize(stock, patched, args.commit or checked_out_commit())
+    result = summarize(stock, patched, args.commit or commit_id(REPO))
     if one_gpu is not None:
         add_scaling(result, one_gpu)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,8 @@ from tqdm.auto import tqdm
 
 # Run from a checkout without installing: the repository root holds the gn_patch package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gn_patch import configs, extension  # noqa: E402
-from gn_patch.surgeon import PatchReport, patch_model  # noqa: E402
+from gn_patch import configs, extension
+from gn_patch.surgeon import PatchReport, patch_model
 
 logger = get_logger(__name__)
 

@@ -3,6 +3,7 @@
 
     python examples/txt2img.py --arch sd15 --height 512 --width 512 --steps 30
     python examples/txt2img.py --arch sdxl --height 1024 --width 1024 --check-fp32 --json results.json
+    python examples/txt2img.py --cuda-graph --compile-anchor --check-fp32   # + CUDA graphs, + stock torch.compile
     python examples/txt2img.py --model stabilityai/stable-diffusion-xl-base-1.0 --prompt "a red fox in snow"
     python examples/txt2img.py --device cpu --steps 2 --height 64 --width 64       # smoke run
 
@@ -14,10 +15,13 @@ every activation far below the float16 range, e.g. at most ~15 in the SD VAE dec
 a non-finite image stops the script with an error rather than reporting a meaningless PSNR.)
 
 One pipeline serves every variant: the optional float32 reference run first (``--check-fp32``), then stock in
-``--dtype``, then the same pipeline patched in place by gn_patch.patch_pipeline. Each timed variant gets a short
-warm-up call first (JIT build of the kernels, cuDNN autotuning and allocator growth stay out of the timing), and
-CUDA is synchronized around every timed call. PSNR is over the [0, 1] float images, peak 1.0; identical images
-give inf. The PNGs go to ``--output-dir``; ``--json PATH`` appends one object per run to the JSON list in PATH (created if missing).
+``--dtype``, then (``--compile-anchor``) stock with its UNet and VAE decoder under
+``torch.compile(mode="reduce-overhead")``, then the same pipeline patched in place by gn_patch.patch_pipeline, then
+(``--cuda-graph``) patched with ``cuda_graph=True``. Each timed variant gets a short warm-up call first (JIT build
+of the kernels, cuDNN autotuning and allocator growth stay out of the timing; CUDA-graph capture, and compilation
+over two warm-up calls, which record torch.compile's CUDA graphs, are timed on their own), and CUDA is synchronized
+around every timed call. PSNR is over the [0, 1] float images, peak 1.0; identical images give inf. The PNGs go to
+``--output-dir``; ``--json PATH`` appends one object per run to the JSON list in PATH (created if missing).
 """
 
 from __future__ import annotations
@@ -25,11 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,12 +41,17 @@ from diffusers import (AutoencoderKL, DDIMScheduler, DiffusionPipeline, StableDi
 
 # Run from a checkout without installing: the repository root holds the gn_patch package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gn_patch import configs, extension  # noqa: E402
-from gn_patch.pipeline import patch_pipeline  # noqa: E402
+from gn_patch import configs, extension
+from gn_patch.bench.results import commit_id
+from gn_patch.pipeline import patch_pipeline
 
 PROMPT_TOKENS = 77  # CLIP's context length
 WARMUP_STEPS = 1  # enough to build the kernels, autotune cuDNN and grow the allocator
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPILE_OPTIONS = dict(mode="reduce-overhead")  # --compile-anchor: torch.compile's CUDA-graph mode
+# variant -> label; in the order they run
+VARIANTS = {"stock": "stock", "compiled": "stock + torch.compile", "patched": "patched",
+            "graph": "patched + CUDA graphs"}
 
 # arch -> (UNet config, VAE config, prompt embedding width, pooled embedding width or None) for random weights
 ARCHS = {
@@ -81,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seed of the random weights, embeddings and diffusion noise (default: %(default)s)")
     parser.add_argument("--check-fp32", action="store_true",
                         help="also run stock in float32 first and report each image's PSNR against it")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also run patched with CUDA graphs (patch_pipeline(pipe, cuda_graph=True))")
+    parser.add_argument("--compile-anchor", action="store_true",
+                        help='also run stock with UNet and VAE decoder under torch.compile(mode="reduce-overhead"), '
+                             "timing its compilation")
     parser.add_argument("--output-dir", type=Path, default=Path("txt2img_out"),
                         help="where the PNGs go (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="append the result to the JSON list in this file")
@@ -171,14 +184,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace) -> tuple[np.ndarray, float]:
-    """A one-step warm-up call, then the timed call with --steps. Returns (images, seconds)."""
-    generate(pipe, prompt_kwargs, args, WARMUP_STEPS)
+class Run(NamedTuple):
+    images: np.ndarray
+    seconds: float  # the timed call
+    warmup_seconds: float  # the warm-up calls before it
+
+
+def timed_generate(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace,
+                   warmup_calls: int = 1) -> Run:
+    """One-step warm-up calls, then the timed call with --steps."""
     synchronize(args.device)
+    start = time.perf_counter()
+    for _ in range(warmup_calls):
+        generate(pipe, prompt_kwargs, args, WARMUP_STEPS)
+    synchronize(args.device)
+    warmup_seconds = time.perf_counter() - start
     start = time.perf_counter()
     images = generate(pipe, prompt_kwargs, args, args.steps)
     synchronize(args.device)
-    return images, time.perf_counter() - start
+    return Run(images, time.perf_counter() - start, warmup_seconds)
+
+
+def compile_anchor(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace) -> Run:
+    """The pipeline with its UNet and VAE decoder under torch.compile(**COMPILE_OPTIONS), both restored after. Two
+    warm-up calls: reduce-overhead compiles and warms up on a module's first call and records its CUDA graph on the
+    second."""
+    unet, decoder = pipe.unet, pipe.vae.decoder
+    pipe.unet = torch.compile(unet, **COMPILE_OPTIONS)
+    pipe.vae.decoder = torch.compile(decoder, **COMPILE_OPTIONS)
+    try:
+        return timed_generate(pipe, prompt_kwargs, args, warmup_calls=2)
+    finally:
+        pipe.unet, pipe.vae.decoder = unet, decoder
+        torch._dynamo.reset()  # drops the compiled code and its CUDA graphs
 
 
 def psnr(images: np.ndarray, reference: np.ndarray) -> float:
@@ -193,47 +231,90 @@ def save_pngs(images: np.ndarray, output_dir: Path, variant: str) -> None:
         image.save(output_dir / f"{variant}_{index}.png")
 
 
-def git_commit() -> str:
-    """$GN_PATCH_COMMIT (set where the tree is a copy without .git), else HEAD of the repository holding this
-    script, else "unknown"."""
-    if os.environ.get("GN_PATCH_COMMIT"):
-        return os.environ["GN_PATCH_COMMIT"]
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return result.stdout.strip() if result.returncode == 0 else "unknown"
+def phase(text: str) -> None:
+    """One line per step of the run, so that a slow one (building a full-size model on a CPU) is not silent."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def run_variants(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Namespace) -> tuple[dict, object]:
+    """Time each variant of VARIANTS that the flags ask for on ``pipe`` (left patched). Returns ({variant: Run},
+    the last patch report)."""
+    timing = f"{WARMUP_STEPS}-step warm-up, then {args.steps} steps timed"
+    phase(f"stock run: {timing}")
+    runs = {"stock": timed_generate(pipe, prompt_kwargs, args)}
+    if args.compile_anchor:
+        phase(f"stock run under torch.compile({COMPILE_OPTIONS}): two {WARMUP_STEPS}-step warm-ups (compilation), "
+              f"then {args.steps} steps timed")
+        runs["compiled"] = compile_anchor(pipe, prompt_kwargs, args)
+    phase("patching the pipeline (first use on a GPU compiles the kernels)")
+    report = patch_pipeline(pipe)
+    phase(f"patched run: {timing}")
+    runs["patched"] = timed_generate(pipe, prompt_kwargs, args)
+    if args.cuda_graph:
+        phase(f"patched run with CUDA graphs: {timing} (the warm-up captures them)")
+        report = patch_pipeline(pipe, cuda_graph=True)
+        runs["graph"] = timed_generate(pipe, prompt_kwargs, args)
+    return runs, report
+
+
+def print_table(runs: dict, reference: np.ndarray | None) -> None:
+    """Time, speedup over stock and PSNR against stock and float32 stock of each variant."""
+    stock = runs["stock"]
+    print(f"{'run':24s} {'time':>9s} {'speedup':>8s} {'PSNR vs stock':>14s} {'PSNR vs fp32':>13s}")
+    for variant, run in runs.items():
+        vs_stock = "-" if variant == "stock" else f"{psnr(run.images, stock.images):.2f} dB"
+        vs_fp32 = "-" if reference is None else f"{psnr(run.images, reference):.2f} dB"
+        note = {"compiled": f"   (compilation: {run.warmup_seconds:.1f} s)",
+                "graph": f"   (capture and warm-up: {run.warmup_seconds:.2f} s)"}.get(variant, "")
+        print(f"{VARIANTS[variant]:24s} {run.seconds:7.3f} s {stock.seconds / run.seconds:7.2f}x {vs_stock:>14s} "
+              f"{vs_fp32:>13s}{note}")
+    if "graph" in runs:
+        print(f"PSNR patched + CUDA graphs vs patched: {psnr(runs['graph'].images, runs['patched'].images):.2f} dB")
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the comparison; returns the result dict also appended to --json."""
     args = parse_args(argv)
+    phase(f"loading {args.model}" if args.model else
+          f"building the {args.arch} pipeline with random weights on {args.device} (a minute on a CPU)")
     pipe, prompt_kwargs = load_pipeline(args)
 
     reference = None
     if args.check_fp32:
+        phase(f"float32 reference run, {args.steps} steps")
         reference = generate(pipe, prompt_kwargs, args, args.steps)
         save_pngs(reference, args.output_dir, "fp32")
         pipe.to(dtype=args.dtype)
 
-    stock, stock_s = timed_generate(pipe, prompt_kwargs, args)
-    save_pngs(stock, args.output_dir, "stock")
-    report = patch_pipeline(pipe)
-    patched, patched_s = timed_generate(pipe, prompt_kwargs, args)
-    save_pngs(patched, args.output_dir, "patched")
+    runs, report = run_variants(pipe, prompt_kwargs, args)
+    for variant, run in runs.items():
+        save_pngs(run.images, args.output_dir, variant)
 
-    height, width = stock.shape[1:3]
+    def vs(variant: str, other: np.ndarray | None) -> float | None:
+        return psnr(runs[variant].images, other) if variant in runs and other is not None else None
+
+    def seconds(variant: str, attribute: str = "seconds") -> float | None:
+        return getattr(runs[variant], attribute) if variant in runs else None
+
+    stock, patched = runs["stock"], runs["patched"]
+    height, width = stock.images.shape[1:3]
     result = dict(
         arch="sdxl" if isinstance(pipe, StableDiffusionXLPipeline) else "sd15", model=args.model,
         height=height, width=width, steps=args.steps, batch_size=args.batch_size, dtype=str(args.dtype),
         device=str(args.device),
-        stock_s=stock_s, patched_s=patched_s,
-        psnr_patched_vs_stock_db=psnr(patched, stock),
-        psnr_patched_vs_fp32_db=psnr(patched, reference) if reference is not None else None,
-        psnr_stock_vs_fp32_db=psnr(stock, reference) if reference is not None else None,
+        stock_s=stock.seconds, patched_s=patched.seconds,
+        psnr_patched_vs_stock_db=psnr(patched.images, stock.images),
+        psnr_patched_vs_fp32_db=vs("patched", reference),
+        psnr_stock_vs_fp32_db=vs("stock", reference),
+        patched_graph_s=seconds("graph"), graph_capture_s=seconds("graph", "warmup_seconds"),
+        psnr_graph_vs_patched_db=vs("graph", patched.images), psnr_graph_vs_stock_db=vs("graph", stock.images),
+        psnr_graph_vs_fp32_db=vs("graph", reference),
+        graph_memory_bytes=report.cuda_graphs.memory_bytes if "graph" in runs else None,
+        compile_anchor_s=seconds("compiled"), compile_anchor_compile_s=seconds("compiled", "warmup_seconds"),
+        psnr_compile_anchor_vs_stock_db=vs("compiled", stock.images),
+        psnr_compile_anchor_vs_fp32_db=vs("compiled", reference),
         cuda_kernels=args.device.type == "cuda" and extension.kernels_available(),
-        commit=git_commit(),
+        commit=commit_id(Path(__file__).resolve().parent),
     )
     print(report)
     if not result["cuda_kernels"]:
@@ -241,16 +322,12 @@ def main(argv: list[str] | None = None) -> dict:
               "GroupNorm path, so its time says nothing about the kernels")
     print(f"{args.model or 'random ' + result['arch']}: {height}x{width}, {args.steps} steps, batch "
           f"{args.batch_size}, {args.dtype}, {args.device}")
-    print(f"stock   {stock_s:8.3f} s\npatched {patched_s:8.3f} s\nspeedup {stock_s / patched_s:8.3f}x")
-    print(f"PSNR patched vs stock: {result['psnr_patched_vs_stock_db']:.2f} dB")
-    if reference is not None:
-        print(f"PSNR vs float32 stock: patched {result['psnr_patched_vs_fp32_db']:.2f} dB, "
-              f"stock {result['psnr_stock_vs_fp32_db']:.2f} dB")
+    print_table(runs, reference)
     print(f"images in {args.output_dir}")
     if args.json:
-        runs = json.loads(args.json.read_text()) if args.json.exists() else []
-        runs.append({k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in result.items()})
-        args.json.write_text(json.dumps(runs, indent=2) + "\n")  # identical images (psnr inf) record null
+        runs_json = json.loads(args.json.read_text()) if args.json.exists() else []
+        runs_json.append({k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in result.items()})
+        args.json.write_text(json.dumps(runs_json, indent=2) + "\n")  # identical images (psnr inf) record null
     return result
 
 

@@ -11,7 +11,7 @@ __all__ = ["GroupNormAct", "PatchReport", "canonical_activation", "group_norm_ac
            "patch_pipeline", "unpatch_model", "unpatch_pipeline"]
 __version__ = "0.1.0"
 
-_LAZY = {"PatchReport": "surgeon", "patch_model": "surgeon", "unpatch_model": "surgeon",
+_LAZY = {"PatchReport": "report", "patch_model": "surgeon", "unpatch_model": "surgeon",
          "patch_pipeline": "pipeline", "unpatch_pipeline": "pipeline"}
 
 

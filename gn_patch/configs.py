@@ -13,8 +13,9 @@ Sequences are tuples so that the shared dicts cannot be changed through a model'
 from __future__ import annotations
 
 __all__ = [
-    "CONTROLNET", "SCHEDULER", "SD15_UNET", "SD_VAE", "SDXL_UNET", "SDXL_VAE",
-    "TINY_CONTROLNET", "TINY_SD15_UNET", "TINY_SDXL_UNET", "TINY_VAE",
+    "ANIMATEDIFF_UNET", "COGVIDEOX_VAE", "CONTROLNET", "HUNYUANVIDEO_VAE", "KANDINSKY22_UNET", "SCHEDULER",
+    "SD15_UNET", "SDXL_UNET", "SDXL_VAE", "SD_VAE", "TINY_CONTROLNET", "TINY_SD15_UNET", "TINY_SDXL_UNET",
+    "TINY_VAE",
 ]
 
 # runwayml/stable-diffusion-v1-5, unet/config.json
@@ -104,6 +105,88 @@ CONTROLNET = dict(
     downsample_padding=1,
     mid_block_scale_factor=1,
     controlnet_conditioning_channel_order="rgb",
+)
+
+# THUDM/CogVideoX-2b, vae/config.json (AutoencoderKLCogVideoX): 8x spatial, 4x temporal compression to 16 channels.
+COGVIDEOX_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("CogVideoXDownBlock3D",) * 4,
+    up_block_types=("CogVideoXUpBlock3D",) * 4,
+    block_out_channels=(128, 256, 256, 512),
+    latent_channels=16,
+    layers_per_block=3,
+    act_fn="silu",
+    norm_eps=1e-6,
+    norm_num_groups=32,
+    temporal_compression_ratio=4,
+    sample_height=480,
+    sample_width=720,
+    scaling_factor=1.15258426,
+)
+
+# hunyuanvideo-community/HunyuanVideo, vae/config.json (AutoencoderKLHunyuanVideo): 8x spatial, 4x temporal.
+HUNYUANVIDEO_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=16,
+    down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+    up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    act_fn="silu",
+    norm_num_groups=32,
+    scaling_factor=0.476986,
+    spatial_compression_ratio=8,
+    temporal_compression_ratio=4,
+    mid_block_add_attention=True,
+)
+
+# AnimateDiff: UNetMotionModel.from_unet2d(the SD 1.5 UNet, guoyww/animatediff-motion-adapter-v1-5-2), as a config
+# (the adapter's motion modules: 2 per block, 8 heads, 32 groups, up to 32 frames, a mid-block motion module).
+ANIMATEDIFF_UNET = dict(
+    in_channels=4,
+    out_channels=4,
+    down_block_types=("CrossAttnDownBlockMotion",) * 3 + ("DownBlockMotion",),
+    up_block_types=("UpBlockMotion",) + ("CrossAttnUpBlockMotion",) * 3,
+    block_out_channels=(320, 640, 1280, 1280),
+    layers_per_block=2,
+    num_attention_heads=8,
+    cross_attention_dim=768,
+    norm_num_groups=32,
+    norm_eps=1e-5,
+    act_fn="silu",
+    downsample_padding=1,
+    mid_block_scale_factor=1,
+    motion_max_seq_length=32,
+    motion_num_attention_heads=8,
+    use_motion_mid_block=True,
+)
+
+# kandinsky-community/kandinsky-2-2-decoder, unet/config.json: a UNet2DConditionModel whose resnets take the
+# timestep as a per-sample scale and shift (resnet_time_scale_shift="scale_shift"), conditioned on an image
+# embedding (image_embeds of 1280 values in added_cond_kwargs).
+KANDINSKY22_UNET = dict(
+    in_channels=4,
+    out_channels=8,
+    down_block_types=("ResnetDownsampleBlock2D",) + ("SimpleCrossAttnDownBlock2D",) * 3,
+    mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+    up_block_types=("SimpleCrossAttnUpBlock2D",) * 3 + ("ResnetUpsampleBlock2D",),
+    block_out_channels=(384, 768, 1152, 1536),
+    layers_per_block=3,
+    attention_head_dim=64,
+    cross_attention_dim=768,
+    encoder_hid_dim=1280,
+    encoder_hid_dim_type="image_proj",
+    addition_embed_type="image",
+    addition_embed_type_num_heads=64,
+    resnet_time_scale_shift="scale_shift",
+    norm_num_groups=32,
+    norm_eps=1e-5,
+    act_fn="silu",
+    flip_sin_to_cos=True,
+    freq_shift=0,
+    sample_size=64,
 )
 
 # The SD 1.5 / SDXL training noise schedule, as DDIMScheduler kwargs.

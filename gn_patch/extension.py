@@ -1,10 +1,16 @@
 """Build and load gn_patch's CUDA kernels (the command line is gn_patch.build).
 
-The extension is compiled on first use with ninja through ``torch.utils.cpp_extension`` for the running
-GPU's architecture only, and cached per (torch version, CUDA version, architecture). Ahead of time, also on
-a machine with nvcc but no GPU::
+The kernel sources (every ``*.cpp`` and ``*.cu`` of ``csrc/``) ship inside the package: ``gn_patch/csrc/`` in a
+wheel or a non-editable install, the checkout's top-level ``csrc/`` in an editable install or a source tree on
+PYTHONPATH. On first use they are compiled with ninja through ``torch.utils.cpp_extension`` for the running GPU's
+architecture only, and cached per (torch version, CUDA version, architecture). Ahead of time, also on a machine
+with nvcc but no GPU::
 
     python -m gn_patch.build --arch 9.0      # or TORCH_CUDA_ARCH_LIST=9.0 python -m gn_patch.build
+
+An install with ``GN_PATCH_CUDA_ARCH_LIST`` set (``GN_PATCH_CUDA_ARCH_LIST="8.0;9.0" pip install
+--no-build-isolation .``, see setup.py) compiles the library into the package instead; it is loaded when it was
+built for the running torch and GPU, and the JIT build above serves otherwise.
 
 Environment: ``GN_PATCH_BUILD_DIR`` overrides the cache folder (default ``~/.cache/gn_patch``);
 ``CUDA_HOME`` names the CUDA toolkit; ``MAX_JOBS`` caps ninja's parallel compiles.
@@ -12,16 +18,25 @@ Environment: ``GN_PATCH_BUILD_DIR`` overrides the cache folder (default ``~/.cac
 
 from __future__ import annotations
 
+import json
 import os
+import site
 import shutil
+import sys
+import time
 import warnings
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("ops.cpp", "geometry.cpp", "forward.cu", "backward.cu")
+PACKAGE_DIR = Path(__file__).resolve().parent
 EXTENSION_NAME = "gn_patch_C"
+# Written by setup.py beside the library it compiles at install time: {"torch", "cuda", "arch"}.
+PREBUILT_INFO = PACKAGE_DIR / f"{EXTENSION_NAME}.json"
+# Compiler flags of both builds (the JIT one here, the install-time one of setup.py).
+CXX_FLAGS = ["-O3"]
+NVCC_FLAGS = ["-O3", "-lineinfo", "-Xptxas=-warn-spills"]
 
 
 class BuildError(RuntimeError):
@@ -55,21 +70,93 @@ def _arch(arch: str | None) -> str:
                      "or TORCH_CUDA_ARCH_LIST=9.0")
 
 
+def source_directory() -> Path:
+    """The folder of the kernel sources: ``csrc/`` inside the installed package, else the checkout's ``csrc/``
+    (an editable install or a source tree on PYTHONPATH).
+
+    Raises:
+        BuildError: neither exists (a package installed without its sources).
+    """
+    candidates = (PACKAGE_DIR / "csrc", PACKAGE_DIR.parent / "csrc")
+    for directory in candidates:
+        if source_files(directory):
+            return directory
+    raise BuildError(f"the kernel sources are missing: no .cpp or .cu file in {' or '.join(map(str, candidates))}; "
+                     "reinstall gn_patch from a wheel, an sdist or a checkout")
+
+
+def source_files(directory: Path) -> list[Path]:
+    """Every translation unit of ``directory``: its ``*.cpp`` then its ``*.cu`` files, each group sorted by name."""
+    return sorted(directory.glob("*.cpp")) + sorted(directory.glob("*.cu"))
+
+
+def _arch_set(arch_list: str) -> set[str]:
+    """'8.0;9.0+PTX' (or space-separated) -> {'8.0', '9.0'}."""
+    return {a.removesuffix("+PTX") for a in arch_list.replace(" ", ";").split(";") if a}
+
+
+def prebuilt_library(arch: str) -> Path | None:
+    """The library compiled at install time, if there is one built for this torch, this CUDA and ``arch``.
+
+    A prebuilt library for another torch or other architectures is not used (it would not load, or would have no
+    kernel for the GPU): the caller then builds one on first use, and this warns once to say why.
+    """
+    libraries = [p for suffix in EXTENSION_SUFFIXES for p in PACKAGE_DIR.glob(f"{EXTENSION_NAME}{suffix}")]
+    if not libraries or not PREBUILT_INFO.is_file():
+        return None
+    info = json.loads(PREBUILT_INFO.read_text())
+    here = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if {k: info.get(k) for k in here} != here or not _arch_set(arch) <= _arch_set(info.get("arch", "")):
+        warnings.warn(f"gn_patch: the prebuilt kernels ({libraries[0].name}: torch {info.get('torch')}, CUDA "
+                      f"{info.get('cuda')}, arch {info.get('arch')}) do not fit torch {torch.__version__}, CUDA "
+                      f"{torch.version.cuda}, arch {arch}: compiling them for this setup instead",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return libraries[0]
+
+
+def library_include_paths() -> list[str]:
+    """Header folders of the CUDA libraries PyTorch's CUDA headers include (cusparse.h, cublas_v2.h, ...): pip's
+    nvidia-* wheels install them beside torch, where a toolkit in CUDA_HOME may have only the compiler and runtime."""
+    roots = [Path(p) / "nvidia" for p in site.getsitepackages() + [site.getusersitepackages()]]
+    return sorted(str(inc) for root in roots if root.is_dir() for inc in root.glob("*/include") if inc.is_dir())
+
+
+def cache_root() -> Path:
+    """$GN_PATCH_BUILD_DIR, else ~/.cache/gn_patch: where JIT builds are cached."""
+    return Path(os.environ.get("GN_PATCH_BUILD_DIR", Path.home() / ".cache" / "gn_patch"))
+
+
 def build_directory(arch: str) -> Path:
-    root = Path(os.environ.get("GN_PATCH_BUILD_DIR", Path.home() / ".cache" / "gn_patch"))
+    """The cache folder of JIT builds for ``arch`` with this torch and CUDA, under cache_root()."""
+    root = cache_root()
     tag = f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch.replace('.', '').replace(';', '_')}"
     return root / tag
 
 
+def _say(message: str) -> None:
+    print(f"gn_patch: {message}", file=sys.stderr, flush=True)
+
+
 def build(arch: str | None = None, verbose: bool = False) -> Path:
-    """Compile (if needed) and load the extension; return the path of the shared library.
+    """Load the extension, compiling it first where needed; return the path of the shared library.
+
+    Loads the library compiled at install time when it fits (see prebuilt_library), else compiles the sources
+    (see source_directory) into build_directory(arch), which ninja skips when they are up to date. A compile
+    prints a line to stderr before and after (it takes minutes on a small machine).
 
     Raises:
-        BuildError: torch has no CUDA, nvcc is missing or does not match torch's CUDA, or compilation failed.
+        BuildError: torch has no CUDA, no architecture is given and no GPU is visible, the sources are missing,
+            nvcc is missing or does not match torch's CUDA, or compilation failed.
     """
     if torch.version.cuda is None:
         raise BuildError(f"torch {torch.__version__} is a CPU-only build; the kernels need a CUDA build of torch")
     arch = _arch(arch)
+    prebuilt = prebuilt_library(arch)
+    if prebuilt is not None:
+        torch.ops.load_library(str(prebuilt))
+        return prebuilt
+    sources = source_files(source_directory())
     cuda_home = _cuda_home()
     os.environ.setdefault("CUDA_HOME", cuda_home)  # read by cpp_extension at import: no misleading guess there
     from torch.utils import cpp_extension
@@ -77,14 +164,21 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
     cpp_extension.CUDA_HOME = cuda_home
     directory = build_directory(arch)
     directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{EXTENSION_NAME}.so"
+    first_build = not library.exists()
+    if first_build:
+        _say(f"compiling the CUDA kernels ({len(sources)} files from {sources[0].parent}) for arch {arch} into "
+             f"{directory}: a few minutes on a small machine, once")
+    start = time.perf_counter()
     previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
         cpp_extension.load(
             name=EXTENSION_NAME,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "-lineinfo", "-Xptxas=-warn-spills"],
+            sources=[str(path) for path in sources],
+            extra_cflags=CXX_FLAGS,
+            extra_cuda_cflags=NVCC_FLAGS,
+            extra_include_paths=library_include_paths(),
             build_directory=str(directory),
             is_python_module=False,
             verbose=verbose,
@@ -96,10 +190,13 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous
-    return directory / f"{EXTENSION_NAME}.so"
+    if first_build:
+        _say(f"CUDA kernels compiled in {time.perf_counter() - start:.0f} s")
+    return library
 
 
 _loaded: bool | None = None  # None: not tried yet
+loaded = False  # the extension's ops (kernels, autograd, dispatch) are registered: gn_patch.ops calls them
 
 
 @torch.compiler.assume_constant_result
@@ -109,11 +206,11 @@ def kernels_available() -> bool:
     Never raises: when the build fails it warns once and returns False, and gn_patch then computes every
     call with PyTorch's GroupNorm. Constant for torch.compile (the build happens at trace time, not per call).
     """
-    global _loaded
+    global _loaded, loaded
     if _loaded is None:
         try:
             build()
-            _loaded = True
+            _loaded = loaded = True
         except BuildError as exc:
             warnings.warn(f"gn_patch: CUDA kernels unavailable, using PyTorch's GroupNorm instead. Cause: {exc}",
                           RuntimeWarning, stacklevel=2)

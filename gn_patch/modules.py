@@ -21,7 +21,11 @@ class GroupNormAct(nn.GroupNorm):
         num_channels: C of the expected (N, C, *spatial) input.
         eps: added to the variance for numerical stability.
         affine: learnable per-channel weight (init 1) and bias (init 0).
-        activation: ``silu`` (alias ``swish``), ``gelu``, ``gelu_tanh``, ``relu`` or ``identity``.
+        activation: ``silu`` (alias ``swish``), ``gelu``, ``gelu_tanh``, ``relu``, ``mish`` or ``identity``
+            (case-insensitive).
+
+    ``forward(x, scale=None, shift=None)``: x is (N, C, *spatial); the optional per-sample scale and shift of shape
+    (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)`` (see gn_patch.group_norm_act).
 
     Raises:
         ValueError: num_channels not divisible by num_groups (from nn.GroupNorm), unknown activation.
@@ -33,8 +37,16 @@ class GroupNormAct(nn.GroupNorm):
         self.activation = canonical_activation(activation)
 
     @classmethod
-    def from_group_norm(cls, group_norm: nn.GroupNorm, activation: str | None = "silu") -> "GroupNormAct":
-        """A GroupNormAct sharing ``group_norm``'s parameters (the same Parameter objects, no copy)."""
+    def from_group_norm(cls, group_norm: nn.GroupNorm, activation: str | None = "silu") -> GroupNormAct:
+        """A GroupNormAct sharing ``group_norm``'s parameters (the same Parameter objects, no copy).
+
+        Raises:
+            TypeError: ``group_norm`` is not a torch.nn.GroupNorm.
+            ValueError: unknown activation.
+        """
+        if not isinstance(group_norm, nn.GroupNorm):
+            raise TypeError(f"GroupNormAct.from_group_norm: group_norm must be a torch.nn.GroupNorm, got "
+                            f"{type(group_norm).__name__}")
         module = cls(group_norm.num_groups, group_norm.num_channels, group_norm.eps, group_norm.affine,
                      activation, device="meta")
         if group_norm.affine:
@@ -43,8 +55,9 @@ class GroupNormAct(nn.GroupNorm):
         module.train(group_norm.training)
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
+                shift: torch.Tensor | None = None) -> torch.Tensor:
+        return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift)
 
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript (its forward chooses between the CUDA kernels "

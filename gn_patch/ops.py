@@ -1,16 +1,24 @@
-"""GroupNorm fused with an activation, as the PyTorch custom ops ``gn_patch::group_norm_act`` and
-``gn_patch::group_norm_act_backward``.
+"""GroupNorm fused with an activation (and an optional per-sample modulation), as PyTorch custom ops.
 
-Schema, fake (meta) functions, autograd formula and the CPU reference implementation live here; the CUDA
-implementation is csrc/ops.cpp, loaded by gn_patch.build on first use. The public entry point is
-:func:`group_norm_act`, which sends channels-last CUDA inputs to the kernels and everything else to
-PyTorch's own ``F.group_norm`` followed by the activation.
+Ops (schemas, fake functions and CPU reference implementations here; CUDA kernels, autograd and dispatch in the
+compiled extension, csrc/, loaded on first use by gn_patch.extension):
+
+* ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation) -> (y, mean, rstd)``:
+  the kernels' op. CUDA: any layout (non-channels-last inputs through a channels-last copy); CPU: the reference
+  implementation (same formulas, float32 statistics).
+* ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
+* ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift) -> y``: what
+  :func:`group_norm_act` and ``GroupNormAct.forward`` call, once per call: it sends what the kernels take
+  (channels-last CUDA inputs) to ``group_norm_act`` and computes everything else exactly as PyTorch's
+  ``F.group_norm``, ``* (1 + scale) + shift`` and the activation do, in C++.
+
+Until the extension is loaded (it is built on the first CUDA input; CPU-only installs never build it), the public
+function computes PyTorch's path in Python.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 from . import extension
@@ -24,34 +32,41 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "relu": F.relu,
+    "mish": F.mish,
 }
 _ALIASES = {"swish": "silu", "none": "identity", None: "identity"}
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MEMORY_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
-_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 _lib = torch.library.Library("gn_patch", "DEF")
 _lib.define(
-    "group_norm_act(Tensor x, Tensor? weight, Tensor? bias, int num_groups, float eps, str activation)"
-    " -> (Tensor y, Tensor mean, Tensor rstd)"
+    "group_norm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, int num_groups, float eps,"
+    " str activation) -> (Tensor y, Tensor mean, Tensor rstd)"
 )
 _lib.define(
-    "group_norm_act_backward(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd,"
-    " int num_groups, str activation, bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)"
+    "group_norm_act_backward(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift,"
+    " Tensor mean, Tensor rstd, int num_groups, str activation, bool[5] output_mask)"
+    " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor grad_scale, Tensor grad_shift)"
 )
+_lib.define(
+    "group_norm_act_dispatch(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation,"
+    " Tensor? scale, Tensor? shift) -> Tensor"
+)
+_DISPATCH = torch.ops.gn_patch.group_norm_act_dispatch.default
 
 
 def canonical_activation(activation: str | None) -> str:
-    """Canonical name of an activation: one of ``identity, silu, gelu, gelu_tanh, relu``.
+    """Canonical name of an activation: one of ``identity, silu, gelu, gelu_tanh, relu, mish``.
 
-    Accepts the aliases ``swish`` (= silu) and ``None``/``"none"`` (= identity).
+    Names are case-insensitive (``"SiLU"``, as torch.nn spells the class); accepts the aliases ``swish`` (= silu)
+    and ``None``/``"none"`` (= identity).
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or not a string or None.
     """
-    name = _ALIASES.get(activation, activation) if isinstance(activation, (str, type(None))) else activation
-    if not isinstance(name, str) or name not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)} or swish")
+    key = activation.lower() if isinstance(activation, str) else activation
+    name = _ALIASES.get(key, key) if isinstance(key, (str, type(None))) else None
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation: unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}, "
+                         "swish or None (case-insensitive)")
     return name
 
 
@@ -63,35 +78,51 @@ def _param_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return p.view(1, -1, *([1] * (x.dim() - 2)))
 
 
+def _sample_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return p.view(p.shape[0], p.shape[1], *([1] * (x.dim() - 2)))
+
+
 # ------------------------------------------------------------------------------------------------
-# Input checks of the ops outside CUDA (the CUDA kernels check in C++ with the same messages)
+# Input checks of the ops outside CUDA (csrc/op_checks.h checks the same, with the same messages)
 # ------------------------------------------------------------------------------------------------
-def _check_inputs(x, weight, bias, num_groups, activation):
-    """Raise RuntimeError on what the CUDA op rejects, with torch.nn.GroupNorm's messages where it has one."""
-    torch._check(x.dtype.is_floating_point, lambda: f"gn_patch: expected a floating-point input, got {x.dtype}")
+def _check_inputs(x, weight, bias, scale, shift, num_groups, activation):
+    """Raise what the CUDA op raises: torch.nn.GroupNorm's RuntimeErrors where it has one, TypeError for dtypes,
+    ValueError for the activation and the modulation's shape."""
+    torch._check_type(x.dtype.is_floating_point, lambda: f"gn_patch: expected a floating-point input, got {x.dtype}")
     torch._check(2 <= x.dim() <= 5, lambda: f"gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape "
                                             f"{list(x.shape)}")
     torch._check(num_groups > 0, lambda: f"gn_patch: num_groups must be positive, got {num_groups}")
     torch._check(x.shape[1] % num_groups == 0,
                  lambda: "Expected number of channels in input to be divisible by num_groups, but got input of shape "
                          f"{list(x.shape)} and num_groups={num_groups}")
-    torch._check(activation in ACTIVATIONS, lambda: f"gn_patch: unknown activation '{activation}' (expected identity, "
-                                                    "silu, gelu, gelu_tanh or relu)")
+    torch._check_value(activation in ACTIVATIONS,
+                       lambda: f"activation: unknown activation '{activation}'; expected one of "
+                               "gelu, gelu_tanh, identity, mish, relu, silu")
     torch._check(x.numel() != 0 or x.shape[0] == 0,
                  lambda: f"gn_patch: empty spatial size in input of shape {list(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
+    for name, p in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
+        if p is not None:
+            _check_param(x, name, p)
+    for names, a, b in (("weight and bias", weight, bias), ("scale and shift", scale, shift)):
+        if a is not None and b is not None:
+            torch._check_type(a.dtype == b.dtype,
+                              lambda: f"gn_patch: {names} must have the same dtype, got {a.dtype} and {b.dtype}")  # noqa: B023  (called at once)
+
+
+def _check_param(x, name, p):
+    """One of weight, bias (shape (C,)) or scale, shift (shape (N, C)): shape, device and dtype."""
+    if name in ("weight", "bias"):
         torch._check(p.dim() == 1 and p.shape[0] == x.shape[1],
-                     lambda: f"Expected {name} to be a vector of size equal to the number of channels in input, but "
-                             f"got {name} of shape {list(p.shape)} and input of shape {list(x.shape)}")
-        torch._check(p.device == x.device, lambda: "Expected all tensors to be on the same device, but found input on "
-                                                   f"{x.device} and {name} on {p.device}")
-        torch._check(p.dtype in (x.dtype, torch.float32),
-                     lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}) or float32, got {p.dtype}")
-    if weight is not None and bias is not None:
-        torch._check(weight.dtype == bias.dtype,
-                     lambda: f"gn_patch: weight ({weight.dtype}) and bias ({bias.dtype}) must have the same dtype")
+                     lambda: f"Expected {name} to be a vector of size equal to the number of channels in input, "
+                             f"but got {name} of shape {list(p.shape)} and input of shape {list(x.shape)}")
+    else:
+        torch._check_value(p.dim() == 2 and p.shape[0] == x.shape[0] and p.shape[1] == x.shape[1],
+                           lambda: f"gn_patch: {name} must have shape (N, C) = ({x.shape[0]}, {x.shape[1]}), got "
+                                   f"{list(p.shape)}")
+    torch._check(p.device == x.device, lambda: "Expected all tensors to be on the same device, but found "
+                                               f"input on {x.device} and {name} on {p.device}")
+    torch._check_type(p.dtype in (x.dtype, torch.float32),
+                      lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}) or float32, got {p.dtype}")
 
 
 def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
@@ -100,71 +131,40 @@ def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
     for t in (mean, rstd):
         torch._check(t.shape == (x.shape[0], num_groups) and t.dtype == _stats_dtype(x),
                      lambda: f"gn_patch: mean and rstd must be {_stats_dtype(x)} of shape (N, num_groups)")
-    torch._check(len(output_mask) == 3, lambda: "gn_patch: output_mask must have 3 entries (x, weight, bias)")
+    torch._check(len(output_mask) == 5, lambda: "gn_patch: output_mask must have 5 entries (x, weight, bias, scale, "
+                                                "shift)")
 
 
 # ------------------------------------------------------------------------------------------------
-# Fake functions: shapes, dtypes and strides (y keeps x's memory format, channels_last in -> out).
+# Fake functions: shapes, dtypes and strides (y has x's layout, as empty_like gives it).
 # ------------------------------------------------------------------------------------------------
 @torch.library.register_fake("gn_patch::group_norm_act")
-def _group_norm_act_fake(x, weight, bias, num_groups, eps, activation):
-    _check_inputs(x, weight, bias, num_groups, activation)
+def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation):
+    _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
     return torch.empty_like(x), stats, torch.empty_like(stats)
 
 
+def _grad_outputs(x, weight, bias, scale, shift, output_mask):
+    """The backward op's outputs, empty: like their input where requested and present, else (0,)."""
+    none = x.new_empty((0,))
+    grads = [torch.empty_like(x) if output_mask[0] else none]
+    grads += [t.new_empty(t.shape) if needed and t is not None else none  # dense, whatever t's strides
+              for t, needed in zip((weight, bias, scale, shift), output_mask[1:])]
+    return tuple(grads)
+
+
 @torch.library.register_fake("gn_patch::group_norm_act_backward")
-def _group_norm_act_backward_fake(grad_out, x, weight, bias, mean, rstd, num_groups, activation, output_mask):
-    _check_inputs(x, weight, bias, num_groups, activation)
+def _group_norm_act_backward_fake(grad_out, x, weight, bias, scale, shift, mean, rstd, num_groups, activation,
+                                  output_mask):
+    _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
     _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask)
-    dx = torch.empty_like(x) if output_mask[0] else x.new_empty((0,))
-    dw = torch.empty_like(weight) if output_mask[1] and weight is not None else x.new_empty((0,))
-    db = torch.empty_like(bias) if output_mask[2] and bias is not None else x.new_empty((0,))
-    return dx, dw, db
+    return _grad_outputs(x, weight, bias, scale, shift, output_mask)
 
 
 # ------------------------------------------------------------------------------------------------
-# Autograd: the op's own backward (one fused op for dx, dweight, dbias).
-# ------------------------------------------------------------------------------------------------
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, num_groups, eps, activation = inputs
-    _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.num_groups = num_groups
-    ctx.eps = eps
-    ctx.activation = activation
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _differentiable_grads(ctx, x, weight, bias, grad_y, mask):
-    """The gradients recomputed through PyTorch's own differentiable ops (float32 or wider), for backward passes
-    that build a graph (create_graph=True: double backward, gradient penalties). The backward op has no
-    derivative of its own."""
-    acc = _stats_dtype(x)
-    leaves = [t for t, needed in zip((x, weight, bias), mask) if needed]
-    up = lambda t: None if t is None else t.to(acc)
-    y = ACTIVATIONS[ctx.activation](F.group_norm(up(x), ctx.num_groups, up(weight), up(bias), ctx.eps))
-    grads = iter(torch.autograd.grad(y, leaves, grad_y.to(acc), create_graph=True))
-    return tuple(next(grads) if needed else None for needed in mask)
-
-
-def _backward(ctx, grad_y, _grad_mean, _grad_rstd):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
-            bias is not None and ctx.needs_input_grad[2]]
-    if torch.is_grad_enabled():  # create_graph=True: the gradients must themselves be differentiable
-        return (*_differentiable_grads(ctx, x, weight, bias, grad_y, mask), None, None, None)
-    dx, dw, db = torch.ops.gn_patch.group_norm_act_backward.default(
-        grad_y, x, weight, bias, mean, rstd, ctx.num_groups, ctx.activation, mask)
-    return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None, None, None, None)
-
-
-torch.library.register_autograd("gn_patch::group_norm_act", _backward, setup_context=_setup_context)
-
-
-# ------------------------------------------------------------------------------------------------
-# Reference implementation (CPU kernel of the ops): the same formulas as the CUDA kernels, in float32
-# (float64 for float64 inputs). Used by tests, torch.library.opcheck and CPU tracing.
+# Reference implementation (CPU kernel of the ops): the formulas of the CUDA kernels, in float32 (float64 for
+# float64 inputs). Used by tests, torch.library.opcheck and CPU tracing.
 # ------------------------------------------------------------------------------------------------
 def _normalized(x, mean, rstd, num_groups):
     n = x.shape[0]
@@ -172,130 +172,125 @@ def _normalized(x, mean, rstd, num_groups):
     return ((xg - mean[..., None]) * rstd[..., None]).reshape(x.shape)
 
 
-def _preactivation(xhat, weight, bias):
-    u = xhat
+def _affine(xhat, weight, bias):
+    v = xhat
     if weight is not None:
-        u = u * _param_view(weight, xhat).to(xhat.dtype)
+        v = v * _param_view(weight, xhat).to(xhat.dtype)
     if bias is not None:
-        u = u + _param_view(bias, xhat).to(xhat.dtype)
-    return u
+        v = v + _param_view(bias, xhat).to(xhat.dtype)
+    return v
+
+
+def _modulation(x, scale):
+    """(1 + scale) as a per-sample view in the statistics' dtype, or None."""
+    return None if scale is None else 1 + _sample_view(scale, x).to(_stats_dtype(x))
+
+
+def _modulated(v, m, shift):
+    if m is not None:
+        v = v * m
+    if shift is not None:
+        v = v + _sample_view(shift, v).to(v.dtype)
+    return v
 
 
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
-def _group_norm_act_reference(x, weight, bias, num_groups, eps, activation):
-    _check_inputs(x, weight, bias, num_groups, activation)
+def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation):
+    _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
     if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
         return torch.empty_like(x), stats, torch.empty_like(stats)
     acc = x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1)
     var, mean = torch.var_mean(acc, dim=-1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
-    u = _preactivation(_normalized(x, mean, rstd, num_groups), weight, bias)
+    u = _modulated(_affine(_normalized(x, mean, rstd, num_groups), weight, bias), _modulation(x, scale), shift)
     y = torch.empty_like(x)
     y.copy_(ACTIVATIONS[activation](u))
     return y, mean, rstd
 
 
 @torch.library.impl("gn_patch::group_norm_act_backward", "CPU")
-def _group_norm_act_backward_reference(grad_out, x, weight, bias, mean, rstd, num_groups, activation, output_mask):
-    _check_inputs(x, weight, bias, num_groups, activation)
+def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, mean, rstd, num_groups, activation,
+                                       output_mask):
+    _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
     _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask)
+    outputs = list(_grad_outputs(x, weight, bias, scale, shift, output_mask))
     if x.numel() == 0:
-        empty = x.new_empty((0,))
-        return (torch.empty_like(x) if output_mask[0] else empty,
-                torch.zeros_like(weight) if output_mask[1] and weight is not None else empty,
-                torch.zeros_like(bias) if output_mask[2] and bias is not None else empty)
+        for i in (1, 2):
+            outputs[i].zero_()
+        return tuple(outputs)
     xhat = _normalized(x, mean, rstd, num_groups)
+    m = _modulation(x, scale)
+    v = _affine(xhat, weight, bias)
     with torch.enable_grad():  # du = dy * act'(u), through PyTorch's own activation backward
-        u = _preactivation(xhat, weight, bias).detach().requires_grad_(True)
+        u = _modulated(v, m, shift).detach().requires_grad_(True)
         (du,) = torch.autograd.grad(ACTIVATIONS[activation](u), u, grad_out.to(u.dtype))
-    reduce_dims = [0] + list(range(2, x.dim()))
-    empty = x.new_empty((0,))
-    dw = (du * xhat).sum(reduce_dims).to(weight.dtype) if output_mask[1] and weight is not None else empty
-    db = du.sum(reduce_dims).to(bias.dtype) if output_mask[2] and bias is not None else empty
-    if not output_mask[0]:
-        return empty, dw, db
-    n = x.shape[0]
-    wdu = (du * _param_view(weight, x).to(du.dtype) if weight is not None else du).reshape(n, num_groups, -1)
-    xg = xhat.reshape(n, num_groups, -1)
-    c1 = wdu.mean(-1, keepdim=True)
-    c2 = (wdu * xg).mean(-1, keepdim=True)
-    dx = torch.empty_like(x)
-    dx.copy_((rstd[..., None] * (wdu - c1 - xg * c2)).reshape(x.shape))
-    return dx, dw, db
+    spatial = list(range(2, x.dim()))
+    per_sample = lambda t: t.sum(spatial) if spatial else t
+    dv = du if m is None else du * m
+    values = {1: lambda: (dv * xhat).sum([0] + spatial), 2: lambda: dv.sum([0] + spatial),
+              3: lambda: per_sample(du * v), 4: lambda: per_sample(du)}
+    for i, value in values.items():
+        if outputs[i].numel():
+            outputs[i].copy_(value())
+    if outputs[0].numel():
+        n = x.shape[0]
+        dxhat = dv if weight is None else dv * _param_view(weight, x).to(dv.dtype)
+        dxhat, xg = dxhat.reshape(n, num_groups, -1), xhat.reshape(n, num_groups, -1)
+        c1 = dxhat.mean(-1, keepdim=True)
+        c2 = (dxhat * xg).mean(-1, keepdim=True)
+        outputs[0].copy_((rstd[..., None] * (dxhat - c1 - xg * c2)).reshape(x.shape))
+    return tuple(outputs)
 
 
 # ------------------------------------------------------------------------------------------------
 # Public function
 # ------------------------------------------------------------------------------------------------
-def _is_channels_last(x: torch.Tensor) -> bool:
-    """Dense with the channel dimension innermost, the layout the kernels read."""
-    dim = x.dim()
-    if dim == 4:
-        return x.is_contiguous(memory_format=torch.channels_last)
-    if dim == 3:
-        return x.transpose(1, 2).is_contiguous()
-    if dim == 5:
-        return x.is_contiguous(memory_format=torch.channels_last_3d)
-    return dim == 2 and x.is_contiguous()
-
-
-def _wrapped_by_transform(t: torch.Tensor | None) -> bool:
-    """``t`` is a torch.func transform's wrapper (vmap, grad, ...). Never under torch.compile tracing: dynamo
-    cannot trace the functorch query (it handles transforms itself)."""
-    return t is not None and not torch.compiler.is_compiling() and _is_functorch_wrapped(t)
-
-
-def _transform_active(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
-    """A torch.func transform over x, weight or bias (grad or vmap over the parameters too) or forward-mode AD is
-    in effect: they need derivative and batching rules the kernel op lacks. Never under torch.compile tracing."""
-    if torch.compiler.is_compiling():
-        return False
-    return (_forward_ad._current_level >= 0 or _is_functorch_wrapped(x)
-            or (weight is not None and _is_functorch_wrapped(weight))
-            or (bias is not None and _is_functorch_wrapped(bias)))
-
-
-def _kernel_accepts(x, weight, bias) -> bool:
-    """The kernels' conditions on dtype, layout and parameters, whatever the device."""
-    # Transforms first: inside vmap, the memory-format query below raises.
-    if x.dtype not in _KERNEL_DTYPES or _transform_active(x, weight, bias) or not _is_channels_last(x):
-        return False
-    if x.numel() == 0 and x.shape[0] != 0:
-        return False
-    pdtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else x.dtype)
-    return pdtype in (x.dtype, torch.float32) and (bias is None or bias.dtype == pdtype)
-
-
-def _kernel_covers(x, weight, bias) -> bool:
-    return x.is_cuda and _kernel_accepts(x, weight, bias) and extension.kernels_available()
-
-
-def _pytorch_path(x, num_groups, weight, bias, eps, activation):
-    """F.group_norm then the activation, the result in x's memory format."""
+def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None):
+    """Stock PyTorch: F.group_norm, the per-sample modulation ``* (1 + scale) + shift`` as diffusers writes it, then
+    the activation. What the dispatching op computes for the inputs the kernels do not take, before the extension
+    is loaded."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"gn_patch.group_norm_act: expected a floating-point input, got {x.dtype}")
-    y = ACTIVATIONS[activation](F.group_norm(x, num_groups, weight, bias, eps))
-    # PyTorch's CUDA GroupNorm returns NCHW for channels-last input; hand back the caller's layout.
-    fmt = _MEMORY_FORMATS.get(x.dim())
-    # Under vmap the layout query raises, and a per-sample layout means nothing: the result stays as it is.
-    if fmt is None or _wrapped_by_transform(x):
-        return y
-    if not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
-        y = y.contiguous(memory_format=fmt)
-    return y
+    scale, shift = _broadcastable(scale, x, "scale"), _broadcastable(shift, x, "shift")
+    y = F.group_norm(x, num_groups, weight, bias, eps)
+    if scale is not None:
+        y = y * (1 + scale)
+    if shift is not None:
+        y = y + shift
+    return ACTIVATIONS[activation](y)
 
 
-def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str) -> torch.Tensor:
-    # Hot path of GroupNormAct.forward: activation is already canonical.
-    if _kernel_covers(x, weight, bias):
-        return torch.ops.gn_patch.group_norm_act.default(x, weight, bias, num_groups, eps, activation)[0]
-    return _pytorch_path(x, num_groups, weight, bias, eps, activation)
+def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
+    n, c = x.shape[:2]
+    if t.dim() < 2 or tuple(t.shape[:2]) != (n, c) or any(size != 1 for size in t.shape[2:]) or t.dim() > x.dim():
+        raise ValueError(f"gn_patch.group_norm_act: {name} must have shape (N, C), or (N, C) followed by size-1 "
+                         f"dims, for input of shape {list(x.shape)}; got {list(t.shape)}")
+    return t.reshape(n, c, *([1] * (x.dim() - 2)))
+
+
+def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None,
+                    shift=None) -> torch.Tensor:
+    """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
+    if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
+        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift)
+    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift)
 
 
 def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = "silu") -> torch.Tensor:
-    """GroupNorm (Wu & He, 2018) followed by an activation: ``act(F.group_norm(x, num_groups, weight, bias, eps))``.
+                   bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = "silu", *,
+                   scale: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """GroupNorm (Wu & He, 2018), an optional per-sample modulation, then an activation:
+    ``act(F.group_norm(x, num_groups, weight, bias, eps) * (1 + scale) + shift)``.
 
     Args:
         x: (N, C, *spatial) with 0 to 3 spatial dims, float16/bfloat16/float32 (any floating dtype on the
@@ -304,23 +299,26 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             all spatial positions; the variance is biased (divides by the element count), as in nn.GroupNorm.
         weight, bias: (C,) affine parameters, optional; the input's dtype or float32.
         eps: added to the variance before the reciprocal square root.
-        activation: ``silu`` (alias ``swish``), ``gelu`` (erf form), ``gelu_tanh``, ``relu`` or
-            ``identity``/``None``.
+        activation: ``silu`` (alias ``swish``), ``gelu`` (erf form), ``gelu_tanh``, ``relu``, ``mish`` or
+            ``identity``/``None``; case-insensitive.
+        scale, shift: optional per-sample modulation of shape (N, C) or (N, C, 1, ...), e.g. the timestep
+            embedding of diffusers' ``time_embedding_norm="scale_shift"`` blocks and ``AdaGroupNorm``; x's dtype or
+            float32.
 
     Returns:
-        y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32) and x's memory
-        format for 4-D/5-D inputs (the (B, C, L) channel-stride-1 view comes back contiguous from PyTorch's path).
+        y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32). The kernels return
+        x's memory format; PyTorch's path returns what PyTorch returns.
 
     CUDA inputs that are channels-last (channels_last, channels_last_3d, or a (B, C, L) tensor with channel
     stride 1) run gn_patch's fused NHWC kernels, with float32 statistics; every other input (CPU, MPS,
-    float64, NCHW-contiguous, ...) takes exactly PyTorch's F.group_norm then the activation. Gradients flow
-    to x, weight and bias on both paths; the kernels' backward is bitwise deterministic (fixed-order
-    reductions, no atomics).
+    float64, NCHW-contiguous, ...) takes exactly PyTorch's F.group_norm, modulation and activation. Gradients flow
+    to x, weight, bias, scale and shift on both paths; the kernels' backward is bitwise deterministic
+    (fixed-order reductions, no atomics).
 
     Raises:
         RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,) (messages as
             torch.nn.GroupNorm's), weight on another device than x.
-        TypeError: integer or bool input.
-        ValueError: unknown activation.
+        TypeError: x not a tensor, or an integer or bool tensor.
+        ValueError: unknown activation; scale/shift of the wrong shape.
     """
-    return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation))
+    return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift)

@@ -8,18 +8,30 @@ import torch.nn.functional as F
 from gn_patch.ops import ACTIVATIONS
 
 
-def reference(x, num_groups, weight, bias, eps, activation):
-    """act(F.group_norm(...)) computed in float64 on upcast copies of the inputs."""
+def _modulated(u, scale, shift):
+    view = lambda t: t.reshape(*t.shape[:2], *([1] * (u.dim() - 2)))
+    if scale is not None:
+        u = u * (1 + view(scale))
+    if shift is not None:
+        u = u + view(shift)
+    return u
+
+
+def reference(x, num_groups, weight, bias, eps, activation, scale=None, shift=None):
+    """act(F.group_norm(...) * (1 + scale) + shift) computed in float64 on upcast copies of the inputs."""
     up = lambda t: None if t is None else t.detach().double().contiguous()
-    return ACTIVATIONS[activation](F.group_norm(up(x), num_groups, up(weight), up(bias), eps))
+    u = F.group_norm(up(x), num_groups, up(weight), up(bias), eps)
+    return ACTIVATIONS[activation](_modulated(u, up(scale), up(shift)))
 
 
-def reference_grads(x, num_groups, weight, bias, eps, activation, grad_out):
-    """(dx, dweight, dbias) of the float64 reference for the upstream gradient grad_out."""
-    leaves = [t.detach().double().contiguous().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
-    y = ACTIVATIONS[activation](F.group_norm(leaves[0], num_groups, leaves[1], leaves[2], eps))
-    y.backward(grad_out.double())
-    return tuple(t.grad if t is not None else None for t in leaves)
+def reference_grads(x, num_groups, weight, bias, eps, activation, grad_out, scale=None, shift=None):
+    """(dx, dweight, dbias[, dscale, dshift]) of the float64 reference for the upstream gradient grad_out."""
+    leaves = [t.detach().double().contiguous().requires_grad_(True) if t is not None else None
+              for t in (x, weight, bias, scale, shift)]
+    u = F.group_norm(leaves[0], num_groups, leaves[1], leaves[2], eps)
+    ACTIVATIONS[activation](_modulated(u, leaves[3], leaves[4])).backward(grad_out.double())
+    grads = tuple(t.grad if t is not None else None for t in leaves)
+    return grads if scale is not None or shift is not None else grads[:3]
 
 
 def assert_close(actual, expected, atol, rtol, what=""):
@@ -53,3 +65,14 @@ def random_input(shape, dtype, device, layout="channels_last", offset=0.0, scale
     else:
         data = data.to(device)
     return data.movedim(-1, 1)
+
+
+def assert_same_nonfinite(actual, expected, atol, rtol, what=""):
+    """NaN exactly where expected has NaN, the same infinities, and the finite elements within tolerance."""
+    a, e = actual.detach().double(), expected.detach().double()
+    assert torch.equal(torch.isnan(a), torch.isnan(e)), (
+        f"{what}: NaN at {int(torch.isnan(a).sum())} elements, expected at {int(torch.isnan(e).sum())}")
+    inf = torch.isinf(e)
+    assert torch.equal(torch.isinf(a), inf) and torch.equal(a[inf], e[inf]), f"{what}: infinities differ"
+    finite = torch.isfinite(e)
+    assert_close(a[finite], e[finite], atol, rtol, what)

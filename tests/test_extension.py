@@ -1,6 +1,8 @@
 """CPU tests of the extension build (gn_patch/extension.py, gn_patch/build.py): a failed build warns once and
-falls back, a missing nvcc is one clear error, and (in CI) the kernels compile."""
+falls back, a missing nvcc is one clear error, the sources are every .cpp/.cu of csrc wherever it is, a library
+compiled at install time is used only where it fits, and (in CI) the kernels compile."""
 
+import json
 import os
 import warnings
 
@@ -39,3 +41,62 @@ def test_extension_compiles_and_loads():
     """CI has nvcc but no GPU: the kernels must still compile and the library load."""
     path = extension.build()
     assert path.exists()
+
+
+def test_sources_are_every_cpp_and_cu_file(tmp_path):
+    for name in ("b.cu", "a.cpp", "z.cpp", "common.cuh", "api.h", "notes.txt"):
+        (tmp_path / name).write_text("")
+    assert [p.name for p in extension.source_files(tmp_path)] == ["a.cpp", "z.cpp", "b.cu"]
+
+
+def test_the_checkout_csrc_serves_an_editable_install():
+    directory = extension.source_directory()
+    assert directory == extension.PACKAGE_DIR.parent / "csrc"
+    assert {p.name for p in extension.source_files(directory)} >= {"ops.cpp"}
+
+
+def test_missing_sources_are_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(extension, "PACKAGE_DIR", tmp_path / "gn_patch")
+    with pytest.raises(extension.BuildError, match="kernel sources are missing"):
+        extension.source_directory()
+
+
+@pytest.fixture
+def prebuilt(monkeypatch, tmp_path):
+    """A package folder holding a fake library compiled at install time; returns a function writing its record."""
+    monkeypatch.setattr(extension, "PACKAGE_DIR", tmp_path)
+    monkeypatch.setattr(extension, "PREBUILT_INFO", tmp_path / "gn_patch_C.json")
+    library = tmp_path / f"gn_patch_C{extension.EXTENSION_SUFFIXES[0]}"
+    library.write_bytes(b"")
+
+    def record(**changes):
+        info = {"torch": extension.torch.__version__, "cuda": extension.torch.version.cuda, "arch": "8.0;9.0+PTX"}
+        extension.PREBUILT_INFO.write_text(json.dumps({**info, **changes}))
+        return library
+
+    return record
+
+
+def test_prebuilt_library_is_used_where_it_fits(prebuilt, monkeypatch):
+    library = prebuilt()
+    assert extension.prebuilt_library("9.0") == library
+    assert extension.prebuilt_library("8.0;9.0") == library
+    if extension.torch.version.cuda is None:
+        pytest.skip("build() needs a CUDA build of torch")
+    loaded = []
+    monkeypatch.setattr(extension.torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(extension, "_cuda_home", lambda: pytest.fail("a prebuilt library needs no toolkit"))
+    assert extension.build("9.0") == library and loaded == [str(library)]
+
+
+@pytest.mark.parametrize("changes, arch", [({"torch": "0.0.1"}, "9.0"), ({"cuda": "1.0"}, "9.0"), ({}, "10.0")])
+def test_prebuilt_library_for_another_setup_is_not_used(prebuilt, changes, arch):
+    prebuilt(**changes)
+    with pytest.warns(RuntimeWarning, match="compiling them for this setup instead"):
+        assert extension.prebuilt_library(arch) is None
+
+
+def test_no_prebuilt_library_without_its_record(prebuilt):
+    prebuilt()
+    extension.PREBUILT_INFO.unlink()
+    assert extension.prebuilt_library("9.0") is None

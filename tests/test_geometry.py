@@ -1,7 +1,7 @@
 """The block geometries of csrc/geometry.cpp (host C++, no GPU needed): tests/csrc/geometry_check.cpp sweeps
-shapes, dtypes and alignments through make_geometry and make_forward_geometry and checks their invariants (threads
-per block, tiles and splits covering the tensor exactly, whole groups per tile where fused or clustered, cluster
-rows fitting the registers)."""
+shapes, dtypes, alignments, passes and cluster limits through make_geometry and checks its invariants (vector
+widths, threads per block, tiles and splits covering the tensor exactly, cluster sizes, resident rows fitting the
+registers)."""
 
 import shutil
 import subprocess

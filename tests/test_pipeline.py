@@ -23,7 +23,7 @@ from peft.utils import get_peft_model_state_dict
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, PretrainedConfig, PreTrainedModel
 
-from gn_patch import configs, surgeon
+from gn_patch import configs, rules, surgeon
 from gn_patch.pipeline import patch_pipeline, unpatch_pipeline
 from gn_patch.surgeon import patch_model, unpatch_model
 
@@ -175,14 +175,14 @@ def test_sequential_cpu_offload(order):
         report = patch_model(unet)
         cpu_offload(unet, execution_device="cpu")
     norm = unet.down_blocks[0].resnets[0].norm1
-    assert isinstance(norm, surgeon._FusedGroupNorm) and hasattr(norm, "_hf_hook")
+    assert isinstance(norm, rules.base.FusedGroupNorm) and hasattr(norm, "_hf_hook")
     assert norm.weight.device.type == "meta"  # offloaded: the hook loads it for each call
     assert report.skipped == [] and report.counts
     with torch.no_grad():
         assert_same_outputs(unet(**inputs), expected)
     # remove_hook_from_module leaves the forward the hook wrapped on each instance: the fused one, in both orders
     remove_hook_from_module(unet, recurse=True)
-    assert norm.forward.__func__ is surgeon._FusedGroupNorm.forward
+    assert norm.forward.__func__ is rules.base.FusedGroupNorm.forward
     with torch.no_grad():
         assert_same_outputs(unet(**inputs), expected)
     surgeon.unpatch_model(unet)
@@ -247,10 +247,10 @@ def test_unpatch_pipeline_is_all_or_nothing():
     registry.register_hook(ModelHook(), "noop")
     with pytest.raises(ValueError, match=r"unet\.mid_block\.resnets\.0: the forward is wrapped"):
         unpatch_pipeline(pipe)
-    assert any(type(m) is surgeon._FusedResnetBlock2D for m in pipe.vae.modules())
+    assert any(type(m) is rules.fusion._FusedResnetBlock2D for m in pipe.vae.modules())
     registry.remove_hook("noop")
     assert unpatch_pipeline(pipe) > 0
-    assert not any(type(m) is surgeon._FusedResnetBlock2D for m in pipe.vae.modules())
+    assert not any(type(m) is rules.fusion._FusedResnetBlock2D for m in pipe.vae.modules())
 
 
 def test_unpatch_after_lora_restores_wrapped_convs(tmp_path):

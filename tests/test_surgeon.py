@@ -11,7 +11,6 @@ from collections import Counter, OrderedDict
 import pytest
 import torch
 
-import gn_patch.ops
 from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel, UNet2DModel
 from diffusers.models.attention_processor import Attention, SpatialNorm
 from diffusers.models.autoencoders.vae import Decoder
@@ -22,11 +21,11 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
 from torch import nn
 
-from gn_patch import GroupNormAct, configs, surgeon
+from gn_patch import GroupNormAct, configs, rules, surgeon
 from gn_patch.surgeon import PatchReport, patch_model, unpatch_model
-from .tiny_models import (OpCounter, assert_same_outputs, controlnet_inputs, make_model, module_types, outputs,
-                          perturb_, randn, rel_l2, sd15_unet_inputs, sdxl_unet_inputs, svd_unet_inputs,
-                          tiny_controlnet, tiny_sd15_unet, tiny_sdxl_unet, tiny_svd_unet, tiny_vae)
+from .tiny_models import (OpCounter, assert_same_outputs, controlnet_inputs, is_channels_last, make_model,
+                          module_types, outputs, perturb_, randn, rel_l2, sd15_unet_inputs, sdxl_unet_inputs,
+                          svd_unet_inputs, tiny_controlnet, tiny_sd15_unet, tiny_sdxl_unet, tiny_svd_unet, tiny_vae)
 
 
 @torch.no_grad()
@@ -73,16 +72,13 @@ def run_resnet(block: ResnetBlock2D, batch: int = 2):
 def test_resnet_block_2d(case):
     block = make_resnet(**RESNET_CASES[case])
     patched, report = patched_matches(block, run_resnet(block))
-    assert type(patched) is surgeon._FusedResnetBlock2D and isinstance(patched, ResnetBlock2D)
-    assert isinstance(patched.norm1, GroupNormAct) and patched.norm1.activation == surgeon._activation_name(
+    assert type(patched) is rules.fusion._FusedResnetBlock2D and isinstance(patched, ResnetBlock2D)
+    assert isinstance(patched.norm1, GroupNormAct) and patched.norm1.activation == rules.base.activation_name(
         block.nonlinearity)
-    if case == "scale_shift":
-        assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 1}
-        assert type(patched.norm2) is nn.GroupNorm
-        assert [name for name, _ in report.skipped] == ["norm2"] and "scale_shift" in report.skipped[0][1]
-    else:
-        assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 1, "ResnetBlock2D.norm2+act": 1}
-        assert report.skipped == []
+    norm2 = "ResnetBlock2D.norm2+scale_shift+act" if case == "scale_shift" else "ResnetBlock2D.norm2+act"
+    assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 1, norm2: 1}
+    assert patched.norm2.activation == patched.norm1.activation
+    assert report.skipped == [] and report.alone == []
 
 
 def test_resnet_block_2d_upsample_large_batch():
@@ -137,19 +133,21 @@ def test_resnet_block_2d_training_gradients():
         assert rel_l2(actual, expected) < 1e-5
 
 
-def test_unsupported_nonlinearity_is_skipped():
-    block = make_resnet(non_linearity="mish")
+def test_unsupported_nonlinearity_runs_the_norms_alone():
+    block = make_resnet()
+    block.nonlinearity = nn.Tanh()
     patched, report = patched_matches(block, run_resnet(block))
-    assert type(patched) is ResnetBlock2D and type(patched.norm1) is nn.GroupNorm
-    assert report.patched == [] and [name for name, _ in report.skipped] == ["norm1", "norm2"]
-    assert all("Mish" in reason for _, reason in report.skipped)
+    assert type(patched) is ResnetBlock2D
+    assert report.patched == [] and report.skipped == [] and [name for name, _ in report.alone] == ["norm1", "norm2"]
+    assert all("Tanh" in reason for _, reason in report.alone)
+    assert type(patched.norm1) is rules.base.StockLayoutGroupNorm and patched.norm1.activation == "identity"
 
 
 def test_temporal_resnet_block_5d():
     block = make_model(TemporalResnetBlock, dict(in_channels=64, out_channels=64, temb_channels=16))
     patched, report = patched_matches(block, lambda m: m(randn(2, 64, 3, 4, 4), randn(2, 3, 16, seed=1)))
     assert kinds(report.patched) == {"TemporalResnetBlock.norm1+act": 1, "TemporalResnetBlock.norm2+act": 1}
-    assert type(patched) is surgeon._FusedTemporalResnetBlock
+    assert type(patched) is rules.fusion._FusedTemporalResnetBlock
 
 
 def test_unet_mid_block_2d():
@@ -187,11 +185,10 @@ def test_sequential_pairs():
         nn.GroupNorm(4, 16),
     ))
     patched, report = patched_matches(seq, lambda m: m(randn(2, 16, 6, 6)))
-    assert report.patched == [(str(i), "Sequential(GroupNorm, act)") for i in (0, 3, 5, 7)]
-    assert [patched[i].activation for i in (0, 3, 5, 7)] == ["silu", "gelu_tanh", "gelu", "relu"]
-    assert [name for name, _ in report.skipped] == ["9", "11", "13"]
-    assert "Mish" in report.skipped[0][1] and "Conv2d" in report.skipped[1][1]
-    assert "does not know what follows" in report.skipped[2][1]
+    assert report.patched == [(str(i), "Sequential(GroupNorm, act)") for i in (0, 3, 5, 7, 9)]
+    assert [patched[i].activation for i in (0, 3, 5, 7, 9)] == ["silu", "gelu_tanh", "gelu", "relu", "mish"]
+    assert [name for name, _ in report.alone] == ["11", "13"] and report.skipped == []
+    assert "Conv2d" in report.alone[0][1] and "does not know what follows" in report.alone[1][1]
 
 
 def test_sequential_with_named_items():
@@ -230,17 +227,16 @@ def test_unet_2d_model(time_scale_shift):
                                         down_block_types=("DownBlock2D", "AttnDownBlock2D"),
                                         up_block_types=("AttnUpBlock2D", "UpBlock2D"),
                                         resnet_time_scale_shift=time_scale_shift))
-    run = lambda m: m(randn(2, 3, 16, 16), torch.tensor([3, 900]))  # noqa: E731
+    run = lambda m: m(randn(2, 3, 16, 16), torch.tensor([3, 900]))
     patched, report = patched_matches(unet, run)
     again = patch_model(patched)
-    assert again.patched == [] and again.already_patched == report.patched and again.skipped == report.skipped
+    assert again.patched == [] and again.already_patched == report.patched
+    assert report.skipped == report.alone == again.skipped == again.alone == []
     resnets = sum(isinstance(m, ResnetBlock2D) for m in unet.modules())
     assert report.counts["ResnetBlock2D.norm1+act"] == resnets
     assert report.counts["conv_norm_out+conv_act"] == 1
-    if time_scale_shift == "default":
-        assert report.counts["ResnetBlock2D.norm2+act"] == resnets and report.skipped == []
-    else:
-        assert "ResnetBlock2D.norm2+act" not in report.counts and len(report.skipped) == resnets
+    norm2 = "ResnetBlock2D.norm2+act" if time_scale_shift == "default" else "ResnetBlock2D.norm2+scale_shift+act"
+    assert report.counts[norm2] == resnets
 
 
 def test_autoencoder_kl_encode_decode():
@@ -272,16 +268,17 @@ def test_multi_controlnet():
     assert per_net == {"0": per_net["0"], "1": per_net["0"]} and per_net["0"] > 0
 
 
-def test_spatio_temporal_unet_conv3d_left_alone():
+@pytest.mark.parametrize("channels_last_3d", [True, False])
+def test_spatio_temporal_unet_conv3d_weights(channels_last_3d):
+    """Conv3d weights become channels_last_3d unless asked not to; unpatch_model makes them contiguous again."""
     unet = tiny_svd_unet()
-    conv3d = [m.weight for m in unet.modules() if isinstance(m, nn.Conv3d)]
-    assert conv3d
-    strides = [w.stride() for w in conv3d]
-    patched, report = patched_matches(unet, lambda m: m(**svd_unet_inputs()))
+    assert any(isinstance(m, nn.Conv3d) for m in unet.modules())
+    patched, report = patched_matches(unet, lambda m: m(**svd_unet_inputs()), channels_last_3d=channels_last_3d)
     assert report.counts["TemporalResnetBlock.norm1+act"] >= 1 and report.counts["conv_norm_out+conv_act"] == 1
-    patched_conv3d = [m.weight for m in patched.modules() if isinstance(m, nn.Conv3d)]
-    assert [w.stride() for w in patched_conv3d] == strides
-    assert all(w.is_contiguous() for w in patched_conv3d)
+    conv3d = [m.weight for m in patched.modules() if isinstance(m, nn.Conv3d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last_3d) == channels_last_3d for w in conv3d)
+    unpatch_model(patched)
+    assert all(w.is_contiguous() for w in conv3d)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,7 +372,7 @@ def test_unpatch_refuses_hooks_added_after_patching():
     registry.register_hook(ModelHook(), "noop")
     with pytest.raises(ValueError, match=r"mid_block\.resnets\.0: the forward is wrapped"):
         unpatch_model(patched)
-    assert type(patched.mid_block.resnets[0]) is surgeon._FusedResnetBlock2D
+    assert type(patched.mid_block.resnets[0]) is rules.fusion._FusedResnetBlock2D
     inputs = sd15_unet_inputs()
     with torch.no_grad():
         assert_same_outputs(patched(**inputs).sample, stock(**inputs).sample)
@@ -431,32 +428,36 @@ class Mixed(nn.Module):
         return torch.tanh(self.loose_norm(x))
 
 
-def test_unfusable_modules_are_listed_with_reasons():
+def test_conditional_norms_and_an_unknown_use():
     model = make_model(Mixed, {})
-    _, report = patched_matches(model, lambda m: m(randn(2, 32, 8, 8), randn(2, 8, seed=1), randn(2, 4, 4, 4)))
-    reasons = dict(report.skipped)
-    assert list(reasons) == ["cond_block", "ada_norm", "spatial_norm", "loose_norm"]
-    assert "ResnetBlockCondNorm2D" in reasons["cond_block"]
-    assert "AdaGroupNorm" in reasons["ada_norm"]
-    assert "SpatialNorm" in reasons["spatial_norm"]
-    assert "does not know what follows this GroupNorm in Mixed" in reasons["loose_norm"]
-    assert report.patched == [("block.norm1", "ResnetBlock2D.norm1+act"), ("block.norm2", "ResnetBlock2D.norm2+act")]
+    patched, report = patched_matches(model, lambda m: m(randn(2, 32, 8, 8), randn(2, 8, seed=1),
+                                                         randn(2, 4, 4, 4)))
+    assert report.patched == [("cond_block.norm1", "ResnetBlockCondNorm2D.norm1+act"),
+                              ("cond_block.norm2", "ResnetBlockCondNorm2D.norm2+act"),
+                              ("ada_norm", "AdaGroupNorm+scale_shift"),
+                              ("spatial_norm.norm_layer", "SpatialNorm.norm_layer"),
+                              ("block.norm1", "ResnetBlock2D.norm1+act"), ("block.norm2", "ResnetBlock2D.norm2+act")]
+    assert patched.cond_block.norm1.activation == "silu" and patched.ada_norm.activation == "identity"
+    assert report.alone == [("loose_norm", "the surgeon does not know what follows this GroupNorm in Mixed")]
+    assert report.skipped == []
     text = str(report)
-    assert "fused 2 GroupNorm(s)" in text and "loose_norm: " in text and "ResnetBlock2D.norm1+act" in text
+    assert "fused 6 GroupNorm(s), 1 run alone" in text and "the surgeon does not know" in text
+    assert unpatch_model(patched) == 7 and module_types(patched) == module_types(model)
 
 
 def test_spatial_norm_mid_block_and_decoder():
     block = make_model(UNetMidBlock2D, dict(in_channels=32, temb_channels=4, resnet_groups=8, attention_head_dim=8,
                                             resnet_time_scale_shift="spatial"))
     _, report = patched_matches(block, lambda m: m(randn(2, 32, 8, 8), randn(2, 4, 4, 4, seed=1)))
-    assert report.patched == []
-    assert [name for name, _ in report.skipped] == ["attentions.0.spatial_norm", "resnets.0", "resnets.1"]
+    assert kinds(report.patched) == {"SpatialNorm.norm_layer": 5}  # the attention's and two per resnet
+    assert report.skipped == report.alone == []
 
     decoder = make_model(Decoder, dict(in_channels=4, out_channels=3, up_block_types=("UpDecoderBlock2D",) * 2,
                                        block_out_channels=(32, 32), layers_per_block=1, norm_num_groups=8,
                                        norm_type="spatial"))
     _, report = patched_matches(decoder, lambda m: m(randn(1, 4, 8, 8), randn(1, 4, 8, 8, seed=1)))
-    assert ("conv_norm_out", surgeon._UNFUSABLE[SpatialNorm]) in report.skipped
+    assert ("conv_norm_out.norm_layer", "SpatialNorm.norm_layer") in report.patched
+    assert report.skipped == report.alone == []
 
 
 def test_group_norm_with_hooks_is_not_fused():
@@ -465,7 +466,8 @@ def test_group_norm_with_hooks_is_not_fused():
     block.norm1.register_forward_hook(lambda module, args, output: seen.append(output))
     patched, report = patched_matches(block, run_resnet(block))
     assert report.patched == [] and type(patched) is ResnetBlock2D
-    assert all("hooks" in reason for _, reason in report.skipped)
+    assert [name for name, _ in report.alone] == ["norm1", "norm2"] and seen
+    assert all("hooks" in reason for _, reason in report.alone)
 
 
 def test_hooks_on_the_block_keep_working():
@@ -476,21 +478,24 @@ def test_hooks_on_the_block_keep_working():
     patch_model(patched)
     with torch.no_grad():
         out = run_resnet(block)(patched)
-    assert len(seen) == 1 and seen[0] is out and type(patched) is surgeon._FusedResnetBlock2D
+    assert len(seen) == 1 and seen[0] is out and type(patched) is rules.fusion._FusedResnetBlock2D
 
 
-def test_shared_group_norm_is_not_fused():
+def test_shared_group_norm_runs_alone():
     norm = nn.GroupNorm(4, 16)
     model = nn.ModuleDict(dict(seq=nn.Sequential(norm, nn.SiLU()), other=norm))
     report = patch_model(model)
-    assert report.patched == [] and "several places" in report.skipped[0][1]
-    assert type(norm) is nn.GroupNorm
+    assert report.patched == [] and len(report.alone) == 1 and "several places" in report.alone[0][1]
+    assert type(norm) is rules.base.StockLayoutGroupNorm and norm.activation == "identity"
 
 
-def test_lone_group_norm_is_listed():
-    report = patch_model(nn.GroupNorm(2, 4))
-    assert report.skipped == [("", "the surgeon does not know what follows this GroupNorm")]
-    assert "<root>: the surgeon does not know" in str(report)
+def test_lone_group_norm_runs_alone():
+    norm = nn.GroupNorm(2, 4)
+    report = patch_model(norm)
+    assert report.alone == [("", "the surgeon does not know what follows this GroupNorm")]
+    assert "1  the surgeon does not know what follows this GroupNorm" in str(report)
+    assert patch_model(norm).already_patched == [("", "GroupNorm alone")]
+    assert unpatch_model(norm) == 1 and type(norm) is nn.GroupNorm
 
 
 def test_subclassed_block_is_not_fused():
@@ -500,30 +505,41 @@ def test_subclassed_block_is_not_fused():
     block = MyBlock(in_channels=32, temb_channels=16, groups=8)
     report = patch_model(block)
     assert report.patched == [] and type(block) is MyBlock
-    assert [name for name, _ in report.skipped] == ["norm1", "norm2"]
+    assert [name for name, _ in report.alone] == ["norm1", "norm2"]
+    assert "does not know what follows this GroupNorm in MyBlock" in report.alone[0][1]
 
 
 @pytest.fixture
 def fresh_source_check():
-    surgeon._unverified.cache_clear()
+    rules.base.unverified.cache_clear()
     yield
-    surgeon._unverified.cache_clear()
+    rules.base.unverified.cache_clear()
 
 
 def test_installed_diffusers_has_the_verified_code(fresh_source_check):
-    assert {cls.__name__: surgeon._unverified(cls) for cls in surgeon._VERIFIED_SOURCES} == {
-        cls.__name__: None for cls in surgeon._VERIFIED_SOURCES}
+    assert {f.__qualname__: rules.base.unverified(f) for f in rules.VERIFIED_SOURCES} == {
+        f.__qualname__: None for f in rules.VERIFIED_SOURCES}
+
+
+def test_every_declared_fusion_generates_its_forward():
+    """Each rule's edits apply to its verified source exactly as declared (else RuleError), also for the rules no
+    test model reaches; the generated class stands in for the original."""
+    for cls, spec in rules.fusion.FUSIONS.items():
+        if spec.edits:
+            fused = rules.fusion.fused_class(spec)
+            assert issubclass(fused, cls) and fused.__name__ == cls.__name__ and rules.ORIGINAL_CLASS[fused] is cls
+            assert getattr(rules.fusion, fused.__qualname__) is fused  # what unpickling looks up
 
 
 def test_other_diffusers_code_is_not_fused(fresh_source_check, monkeypatch):
-    monkeypatch.setitem(surgeon._VERIFIED_SOURCES, ResnetBlock2D, set())
-    monkeypatch.setitem(surgeon._VERIFIED_SOURCES, UNet2DConditionModel, set())
+    monkeypatch.setitem(rules.VERIFIED_SOURCES, ResnetBlock2D.forward, set())
+    monkeypatch.setitem(rules.VERIFIED_SOURCES, UNet2DConditionModel.forward, set())
     unet = tiny_sd15_unet()
-    with pytest.warns(RuntimeWarning, match="17 GroupNorm\\(s\\) left unfused.*checked against"):
+    with pytest.warns(RuntimeWarning, match="17 GroupNorm\\(s\\) not fused.*checked against"):
         _, report = patched_matches(unet, lambda m: m(**sd15_unet_inputs()))
-    assert set(report.counts) == {"Transformer2DModel.norm"}
-    assert all("is not the code the surgeon was checked against" in reason for _, reason in report.skipped)
-    assert len(report.skipped) == 17  # 8 blocks x 2 norms, conv_norm_out
+    assert set(report.counts) == {"Transformer2DModel.norm"} and report.skipped == []
+    assert all("is not the code the surgeon was checked against" in reason for _, reason in report.alone)
+    assert len(report.alone) == 17  # 8 blocks x 2 norms, conv_norm_out: each runs alone
 
 
 def test_report_merge():
@@ -634,7 +650,7 @@ def test_every_fused_group_norm_sees_channels_last_input(case):
     seen = {}
 
     def record(module, args):
-        seen[module] = gn_patch.ops._is_channels_last(args[0]) and not args[0].is_contiguous()
+        seen[module] = is_channels_last(args[0]) and not args[0].is_contiguous()
 
     handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, GroupNormAct)]
     with torch.no_grad():
@@ -665,5 +681,5 @@ def test_unpatching_a_lone_fused_norm_is_refused():
 
 def test_patch_pipeline_needs_a_pipeline():
     from gn_patch.pipeline import patch_pipeline
-    with pytest.raises(TypeError, match="use gn_patch.patch_model"):
+    with pytest.raises(TypeError, match=r"use gn_patch\.patch_model"):
         patch_pipeline(tiny_sd15_unet())

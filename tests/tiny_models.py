@@ -9,6 +9,7 @@ from diffusers import AutoencoderKL, ControlNetModel, UNet2DConditionModel, UNet
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils import BaseOutput
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gn_patch import configs
@@ -136,3 +137,27 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Dense with the channel dimension innermost (what gn_patch's kernels read): channels_last (4-D),
+    channels_last_3d (5-D), channel stride 1 (3-D)."""
+    if x.dim() == 4:
+        return x.is_contiguous(memory_format=torch.channels_last)
+    if x.dim() == 5:
+        return x.is_contiguous(memory_format=torch.channels_last_3d)
+    return x.dim() == 3 and x.transpose(1, 2).is_contiguous()
+
+
+class CudnnConv3dLayout(TorchFunctionMode):
+    """On the CPU, 3-D convolutions return NCDHW whatever their input's and weight's layout; cuDNN returns
+    channels_last_3d when either is. Inside this mode they return what cuDNN would (same values), so that a CPU
+    test sees the layouts a CUDA run sees."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.conv3d, torch.nn.functional.conv3d, torch.nn.functional.conv_transpose3d) and any(
+                isinstance(t, torch.Tensor) and t.dim() == 5 and not t.is_contiguous()
+                and t.is_contiguous(memory_format=torch.channels_last_3d) for t in args[:2]):
+            out = out.contiguous(memory_format=torch.channels_last_3d)
+        return out

@@ -28,7 +28,9 @@ def measure(args: argparse.Namespace) -> float:
     import diffusers
     import torch
 
-    from gn_patch import bench, configs, patch_model
+    from gn_patch import configs, patch_model
+    from gn_patch.bench.e2e import inference
+    from gn_patch.bench.models import build_txt2img_pipeline, txt2img_call, unet_call
 
     dtype = getattr(torch, args.dtype)
     config = getattr(configs, args.model.upper())
@@ -45,11 +47,11 @@ def measure(args: argparse.Namespace) -> float:
         elif args.variant == "patched":
             patch_model(model, channels_last=True)
     if args.pipeline:
-        pipe = bench.build_txt2img_pipeline(models["unet"], models["vae"])
+        pipe = build_txt2img_pipeline(models["unet"], models["vae"])
         size = args.latent * pipe.vae_scale_factor
-        call = bench.txt2img_call(pipe, size, args.pipeline, args.device, dtype)
+        call = txt2img_call(pipe, size, args.pipeline, args.device, dtype)
     else:
-        call = bench._inference(bench.unet_call(models["unet"], args.batch, args.latent, dtype, args.device))
+        call = inference(unet_call(models["unet"], args.batch, args.latent, dtype, args.device))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         call()
@@ -81,7 +83,8 @@ def main() -> None:
     if args.variant:
         print(json.dumps(measure(args)))
         return
-    passthrough = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("rounds", "out", "variant") and v is not None]
+    passthrough = [f"--{k}={v}" for k, v in vars(args).items()
+                   if k not in ("rounds", "out", "variant") and v is not None]
     results: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]

@@ -3,37 +3,56 @@ channels_last then patched, for benchmarks/NOTES.md (exploratory, not committed 
 
     python benchmarks/tools/profile_e2e.py profile.txt
 """
-import sys, time, torch
-from torch.profiler import profile, ProfilerActivity
-from gn_patch import bench, patch_model
-out = open(sys.argv[1], "w")
-def log(*a):
-    print(*a, flush=True); print(*a, file=out, flush=True)
-def prof(name, fn, n):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n): fn()
-    torch.cuda.synchronize()
-    log(f"## {name}: {(time.perf_counter() - t) / n * 1e3:.2f} ms/call wall")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        for _ in range(n): fn()
-        torch.cuda.synchronize()
-    ka = p.key_averages()
-    log(ka.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
-    log(ka.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
-unet = bench.build_model("sd15_unet", "cuda", torch.float16)
-call = bench._inference(bench.unet_call(unet, 2, 64, torch.float16, "cuda"))
-unet.to(memory_format=torch.channels_last)
-prof("sd15 unet b2 stock_cl", call, 5)
-patch_model(unet, channels_last=True)
-prof("sd15 unet b2 patched", call, 5)
-del unet, call
+import sys
+import time
 from types import SimpleNamespace
-m = SimpleNamespace(unet=bench.build_model("sd15_unet", "cuda", torch.float32).train())
-m.unet.to(memory_format=torch.channels_last)
-step = bench._train_step_call(m)
-prof("train b8 stock_cl", step, 2)
-patch_model(m.unet, channels_last=True)
-step = bench._train_step_call(m)
-prof("train b8 patched", step, 2)
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gn_patch import patch_model
+from gn_patch.bench.e2e import inference, train_step_call
+from gn_patch.bench.models import build_model, unet_call
+
+
+def profile_calls(name, fn, n, out):
+    """Wall ms per call of n calls after 3 warm-up calls, then the profiler's top CPU and CUDA ops of n more."""
+    def log(*text):
+        print(*text, flush=True)
+        print(*text, file=out, flush=True)
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    log(f"## {name}: {(time.perf_counter() - start) / n * 1e3:.2f} ms/call wall")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    averages = p.key_averages()
+    log(averages.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+    log(averages.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+
+
+def main(path):
+    with open(path, "w") as out:
+        unet = build_model("sd15_unet", "cuda", torch.float16)
+        call = inference(unet_call(unet, 2, 64, torch.float16, "cuda"))
+        unet.to(memory_format=torch.channels_last)
+        profile_calls("sd15 unet b2 stock_cl", call, 5, out)
+        patch_model(unet, channels_last=True)
+        profile_calls("sd15 unet b2 patched", call, 5, out)
+        del unet, call
+        models = SimpleNamespace(unet=build_model("sd15_unet", "cuda", torch.float32).train())
+        models.unet.to(memory_format=torch.channels_last)
+        profile_calls("train b8 stock_cl", train_step_call(models), 2, out)
+        patch_model(models.unet, channels_last=True)
+        profile_calls("train b8 patched", train_step_call(models), 2, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,5 +1,6 @@
-// Invariants of the block geometries (csrc/geometry.cpp) over a sweep of shapes; prints the first violation and
-// exits 1, else prints how many geometries it checked. Built and run by tests/test_geometry.py (host C++ only).
+// Invariants of the block geometries (csrc/geometry.cpp) over a sweep of shapes, dtypes, alignments, passes and
+// cluster limits; prints the first violation and exits 1, else prints how many geometries it checked. Built and
+// run by tests/test_geometry.py (host C++ only).
 #include <cstdio>
 #include <initializer_list>
 
@@ -7,38 +8,43 @@
 
 namespace {
 
+using gn_patch::Geometry;
+using gn_patch::Pass;
+
 int checked = 0;
 
-bool fail(const char* what, const gn_patch::Geometry& g, int elem, bool aligned) {
-  std::printf("violated: %s (N=%lld S=%lld C=%lld G=%lld elem=%d aligned=%d: vec=%d tile_vecs=%d tiles=%lld "
-              "block_rows=%d splits=%lld rows_per_split=%lld fused=%d group_tiles=%d cluster=%d)\n",
-              what, (long long)g.N, (long long)g.S, (long long)g.C, (long long)g.G, elem, (int)aligned, g.vec,
-              g.tile_vecs, (long long)g.tiles, g.block_rows, (long long)g.splits, (long long)g.rows_per_split,
-              (int)g.fused, (int)g.group_tiles, g.cluster);
+bool fail(const char* what, const Geometry& g, int elem, long long alignment, int max_cluster) {
+  std::printf("violated: %s (N=%lld S=%lld C=%lld G=%lld elem=%d alignment=%lld max_cluster=%d: vec=%d "
+              "groups_per_tile=%d tile_vecs=%d tiles=%lld block_rows=%d splits=%lld clustered=%d "
+              "rows_per_block=%lld rows_per_thread=%lld resident=%d)\n",
+              what, (long long)g.N, (long long)g.S, (long long)g.C, (long long)g.G, elem, alignment, max_cluster,
+              g.vec, g.groups_per_tile, g.tile_vecs, (long long)g.tiles, g.block_rows, (long long)g.splits,
+              (int)g.clustered, (long long)g.rows_per_block, (long long)g.rows_per_thread, (int)g.resident);
   return false;
 }
 
-bool check(const gn_patch::Geometry& g, int elem, bool aligned) {
+bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_cluster) {
   ++checked;
-  const int full = 16 / elem;
-  if (g.vec != 1 && !(g.vec == full && aligned && g.C % full == 0)) return fail("vector width", g, elem, aligned);
-  if (g.tile_vecs * g.block_rows > 256 || g.threads() > 256 || g.threads() % 32 != 0)
-    return fail("threads per block", g, elem, aligned);
-  const long long row_vecs = g.C / g.vec;
-  if (g.tiles * g.tile_vecs < row_vecs || (g.tiles - 1) * g.tile_vecs >= row_vecs)
-    return fail("tiles cover the row exactly", g, elem, aligned);
-  if (g.splits * g.rows_per_split < g.S) return fail("splits cover every row", g, elem, aligned);
-  if (g.cluster == 0 && (g.splits - 1) * g.rows_per_split >= g.S) return fail("no empty split", g, elem, aligned);
-  if (g.group_tiles && (g.tile_vecs * g.vec) % g.D != 0) return fail("tiles of whole groups", g, elem, aligned);
-  if (g.fused && (g.splits != 1 || !g.group_tiles)) return fail("fused: one split of whole groups", g, elem, aligned);
-  if (g.cluster > 0) {
-    if (g.cluster != 2 && g.cluster != 4 && g.cluster != 8) return fail("portable cluster size", g, elem, aligned);
-    if (g.splits != g.cluster || g.fused || !g.group_tiles) return fail("cluster: splits of whole groups", g, elem, aligned);
-    if (g.rows_per_split > (long long)g.block_rows * gn_patch::kClusterRows)
-      return fail("cluster: rows fit the registers", g, elem, aligned);
-    if (g.tile_vecs * g.vec / g.D > gn_patch::kMaxClusterTileGroups)
-      return fail("cluster: groups per tile", g, elem, aligned);
+  auto bad = [&](const char* what) { return fail(what, g, elem, alignment, max_cluster); };
+  if (g.vec < 1 || (g.vec & (g.vec - 1)) || g.vec * elem > 16 || g.D % g.vec || alignment % (g.vec * elem))
+    return bad("vector width: a power of two dividing D, within 16 bytes and the alignment");
+  if (g.vecs_per_group * g.vec != g.D) return bad("vectors per group");
+  if (g.tile_vecs != g.groups_per_tile * g.vecs_per_group) return bad("tiles of whole groups");
+  if (g.tiles * g.groups_per_tile != g.G) return bad("tiles cover the groups exactly");
+  if (g.tile_vecs * g.vec > gn_patch::kMaxTileChannels && g.groups_per_tile > 1) return bad("tile channels");
+  if (g.tile_vecs * g.block_rows > gn_patch::kMaxThreads || g.threads() > gn_patch::kMaxThreads ||
+      g.threads() % 32 != 0)
+    return bad("threads per block");
+  if (g.splits * g.rows_per_block < g.S) return bad("splits cover every row");
+  if ((long long)g.block_rows * g.rows_per_thread < g.rows_per_block) return bad("threads cover the block's rows");
+  if (g.blocks() >= (1LL << 31)) return bad("grid size");
+  if (g.clustered) {
+    if (g.splits > max_cluster || (g.splits & (g.splits - 1))) return bad("cluster: a power of two within the limit");
+  } else if (g.resident) {
+    return bad("unclustered geometries stream their rows");
   }
+  if (g.resident && g.rows_per_thread > gn_patch::resident_rows(pass, g.vec * elem))
+    return bad("resident rows fit the registers");
   return true;
 }
 
@@ -46,19 +52,22 @@ bool check(const gn_patch::Geometry& g, int elem, bool aligned) {
 
 int main() {
   const long long shapes[][2] = {{32, 32}, {64, 32}, {128, 32}, {256, 32}, {320, 32}, {512, 32}, {640, 32}, {960, 32},
-                                 {1280, 32}, {1920, 32}, {2560, 32}, {24, 3}, {21, 7}, {262, 131}, {16, 1}, {16, 16},
-                                 {4096, 4096}, {6, 2}, {40, 8}, {1, 1}};
+                                 {1280, 32}, {1920, 32}, {2560, 32}, {24, 3}, {21, 7}, {262, 131}, {262, 2}, {16, 1},
+                                 {16, 16}, {1024, 1}, {6, 2}, {40, 8}, {1, 1}, {96, 32}, {1048, 8}};
   for (long long N : {1LL, 2LL, 8LL, 70000LL}) {
     for (long long S : {1LL, 7LL, 64LL, 255LL, 1000LL, 4096LL, 16384LL, 65536LL, 1LL << 20}) {
       for (const auto& cg : shapes) {
         for (int elem : {2, 4}) {
-          for (bool aligned : {true, false}) {
-            const auto g = gn_patch::make_geometry(N, S, cg[0], cg[1], elem, aligned, 132);
-            if (!check(g, elem, aligned)) return 1;
-            for (bool capable : {false, true}) {
-              const auto f = gn_patch::make_forward_geometry(N, S, cg[0], cg[1], elem, aligned, 132, capable);
-              if (!check(f, elem, aligned)) return 1;
-              if (!capable && f.cluster != 0) return fail("cluster only where capable", f, elem, aligned), 1;
+          for (long long alignment : {16LL, 8LL, 2LL}) {
+            const long long D = cg[0] / cg[1];
+            if (alignment < elem || !(D <= gn_patch::kMaxTileChannels)) continue;
+            const int vec = gn_patch::choose_vec(D, elem, alignment);
+            if (D / vec > gn_patch::kMaxThreads) continue;  // the op copies to an aligned buffer first
+            for (Pass pass : {Pass::kForward, Pass::kBackward}) {
+              for (int max_cluster : {1, 8, 16}) {
+                const Geometry g = gn_patch::make_geometry(pass, N, S, cg[0], cg[1], elem, vec, {132, max_cluster});
+                if (!check(pass, g, elem, alignment, max_cluster)) return 1;
+              }
             }
           }
         }

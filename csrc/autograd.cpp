@@ -1,0 +1,254 @@
+// The host path of a call, in C++: the autograd kernel of gn_patch::group_norm_act, and the op
+// gn_patch::group_norm_act_dispatch that gn_patch.group_norm_act and GroupNormAct.forward call once per call. It
+// sends what the kernels take to gn_patch::group_norm_act and everything else to PyTorch's own ops, computing
+// exactly what F.group_norm, diffusers' `* (1 + scale) + shift` and the activation compute.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/group_norm.h>
+#include <ATen/ops/mul.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "aten_path.h"
+#include "op_checks.h"
+
+namespace gn_patch {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+const auto& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("gn_patch::group_norm_act", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const OptTensor&,
+                                                                const OptTensor&, const OptTensor&, int64_t, double,
+                                                                c10::string_view)>();
+  return op;
+}
+
+const auto& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gn_patch::group_norm_act_backward", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                                 const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                 c10::string_view, std::array<bool, 5>)>();
+  return op;
+}
+
+// Sizes are SymInts throughout this file: under torch.compile with dynamic shapes the dispatching op runs on
+// fake tensors with symbolic sizes, and a decision that needs a value guards on it.
+bool holds(const c10::SymBool& b) { return b.guard_bool(__FILE__, __LINE__); }
+
+// scale or shift as a view that broadcasts against x: (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank.
+OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return t;
+  const c10::SymInt& N = x.sym_size(0);
+  const c10::SymInt& C = x.sym_size(1);
+  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && holds(t->sym_size(0).sym_eq(N)) && holds(t->sym_size(1).sym_eq(C));
+  for (int64_t d = 2; ok && d < t->dim(); ++d) ok = holds(t->sym_size(d).sym_eq(1));
+  TORCH_CHECK_VALUE(ok, std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) "
+                            "followed by size-1 dims, for input of shape " + shape_str(x.sym_sizes()) + "; got " +
+                            shape_str(t->sym_sizes()));
+  std::vector<c10::SymInt> shape(x.dim(), 1);
+  shape[0] = N;
+  shape[1] = C;
+  return t->reshape_symint(shape);
+}
+
+OptTensor per_sample(const OptTensor& t) {
+  return t.has_value() ? OptTensor(t->reshape_symint({t->sym_size(0), t->sym_size(1)})) : t;
+}
+
+// F.group_norm's _verify_batch_size: a group of one value per image is an error, whichever path computes it.
+void check_values_per_group(const at::Tensor& x, int64_t num_groups) {
+  if (x.dim() < 2 || num_groups == 0) return;  // the op's or torch.group_norm's own checks report these
+  c10::SymInt values = x.sym_size(0) * x.sym_size(1) / num_groups;
+  for (int64_t d = 2; d < x.dim(); ++d) values = values * x.sym_size(d);
+  TORCH_CHECK_VALUE(!holds(values.sym_eq(1)),
+                    "Expected more than 1 value per channel when training, got input size " + shape_str(x.sym_sizes()));
+}
+
+// act(F.group_norm(x) * (1 + scale) + shift) with PyTorch's ops, as diffusers writes it (scale and shift already
+// broadcastable).
+at::Tensor pytorch_path(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+                        double eps, Act act, const OptTensor& scale, const OptTensor& shift) {
+  TORCH_CHECK(x.dim() >= 2, "Expected at least 2 dimensions for input tensor but received " + std::to_string(x.dim()));
+  at::Tensor y = at::group_norm(x, num_groups, weight, bias, eps, at::globalContext().userEnabledCuDNN());
+  if (scale.has_value()) y = at::mul(y, at::add(*scale, 1));
+  if (shift.has_value()) y = at::add(y, *shift);
+  return apply_activation(y, act);
+}
+
+class GroupNormActFunction : public torch::autograd::Function<GroupNormActFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& weight,
+                               const OptTensor& bias, const OptTensor& scale, const OptTensor& shift,
+                               int64_t num_groups, double eps, c10::string_view activation) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, mean, rstd] = forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation);
+    // Only the tensors given are saved (undefined entries did not survive AOT tracing's saved-tensor handling);
+    // the mask records which.
+    variable_list saved = {x, mean, rstd};
+    int64_t present = 0;
+    for (const auto* p : {&weight, &bias, &scale, &shift}) {
+      present = present << 1 | (int64_t)p->has_value();
+      if (p->has_value()) saved.push_back(**p);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["present"] = present;
+    ctx->saved_data["num_groups"] = num_groups;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &mean = saved[1], &rstd = saved[2];
+    const int64_t present = ctx->saved_data["present"].toInt();
+    std::array<OptTensor, 4> params;  // weight, bias, scale, shift
+    for (size_t i = 0, next = 3; i < 4; ++i) {
+      if (present >> (3 - i) & 1) params[i] = saved[next++];
+    }
+    const auto& [weight, bias, scale, shift] = params;
+    const int64_t num_groups = ctx->saved_data["num_groups"].toInt();
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    // needs_input_grad counts the tensor arguments given: x, then each of weight, bias, scale, shift present.
+    std::array<bool, 5> mask = {ctx->needs_input_grad(0), false, false, false, false};
+    for (size_t i = 0, edge = 1; i < 4; ++i) {
+      if (params[i]) mask[i + 1] = ctx->needs_input_grad(edge++);
+    }
+    const at::Tensor& grad_y = grads[0];
+    variable_list result(8);
+    if (!grad_y.defined()) return result;
+    if (at::GradMode::is_enabled()) {
+      // create_graph=True (double backward, gradient penalties): the gradients must themselves be differentiable.
+      // Recompute through PyTorch's ops in float32 (float64 stays float64); the fused backward has no derivative.
+      const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+      auto up = [&](const OptTensor& t) { return t ? OptTensor(t->to(acc)) : std::nullopt; };
+      const at::Tensor y = pytorch_path(x.to(acc), num_groups, up(weight), up(bias), ctx->saved_data["eps"].toDouble(),
+                                        parse_activation(activation), broadcastable(up(scale), x, "scale"),
+                                        broadcastable(up(shift), x, "shift"));
+      const std::array<OptTensor, 5> inputs = {x, weight, bias, scale, shift};
+      variable_list leaves;
+      for (size_t i = 0; i < 5; ++i) {
+        if (mask[i]) leaves.push_back(*inputs[i]);
+      }
+      const variable_list g = torch::autograd::grad({y}, leaves, {grad_y.to(acc)}, /*retain_graph=*/true,
+                                                    /*create_graph=*/true, /*allow_unused=*/true);
+      for (size_t i = 0, k = 0; i < 5; ++i) {
+        if (mask[i]) result[i] = g[k++];
+      }
+      return result;
+    }
+    auto grads_out =
+        backward_op().call(grad_y, x, weight, bias, scale, shift, mean, rstd, num_groups, activation, mask);
+    const std::array<at::Tensor, 5> outputs = {std::get<0>(grads_out), std::get<1>(grads_out),
+                                               std::get<2>(grads_out), std::get<3>(grads_out),
+                                               std::get<4>(grads_out)};
+    for (size_t i = 0; i < 5; ++i) {
+      if (mask[i]) result[i] = outputs[i];
+    }
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at::Tensor& x, const OptTensor& weight,
+                                                                       const OptTensor& bias, const OptTensor& scale,
+                                                                       const OptTensor& shift, int64_t num_groups,
+                                                                       double eps, c10::string_view activation) {
+  const variable_list out = GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation);
+  return {out[0], out[1], out[2]};
+}
+
+// Tests route channels-last CPU inputs to the op's CPU implementation as if it were the CUDA kernels, so that the
+// kernel path's dispatch, autograd and tracing run on machines without a GPU.
+std::atomic<bool> cpu_emulates_kernels{false};
+
+bool set_cpu_emulates_kernels(bool enabled) { return cpu_emulates_kernels.exchange(enabled); }
+
+// A torch.func transform (vmap, grad, jvp, ...) or forward-mode AD sees this tensor: the kernel op has no batching
+// rule or forward derivative, PyTorch's ops do.
+bool transformed(const OptTensor& t) {
+  static const c10::DispatchKeySet functorch({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                              c10::DispatchKey::BatchedNestedTensor});
+  return t.has_value() && (t->key_set().has_any(functorch) || t->_fw_grad(/*level=*/0).defined());
+}
+
+// Dense with the channel dimension innermost (see is_channels_last_dense), on symbolic sizes and strides.
+bool channels_last_dense(const at::Tensor& x) {
+  c10::SymInt expected = 1;
+  auto check = [&](int64_t d) {
+    const c10::SymInt& size = x.sym_size(d);
+    if (TORCH_GUARD_SIZE_OBLIVIOUS(size.sym_ne(1)) && !holds(x.sym_stride(d).sym_eq(expected))) return false;
+    expected = expected * size;
+    return true;
+  };
+  if (!check(1)) return false;
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (!check(d)) return false;
+  }
+  return check(0);
+}
+
+bool kernel_covers(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+                   const OptTensor& scale, const OptTensor& shift) {
+  if (!(x.is_cuda() || (x.is_cpu() && cpu_emulates_kernels.load(std::memory_order_relaxed)))) return false;
+  if (!kernel_dtype(x.scalar_type()) || x.dim() < 2 || x.dim() > 5 || num_groups <= 0) return false;
+  for (const auto& [a, b] : {std::pair{&weight, &bias}, std::pair{&scale, &shift}}) {
+    const OptTensor& p = a->has_value() ? *a : *b;
+    if (!p.has_value()) continue;
+    const auto dtype = p->scalar_type();
+    if ((dtype != x.scalar_type() && dtype != at::kFloat) || (a->has_value() && b->has_value() &&
+                                                              (*a)->scalar_type() != (*b)->scalar_type())) {
+      return false;
+    }
+  }
+  if (transformed(x) || transformed(weight) || transformed(bias) || transformed(scale) || transformed(shift)) {
+    return false;
+  }
+  // Channels are static in practice: guarding on them costs no recompilation.
+  const int64_t C = x.sym_size(1).guard_int(__FILE__, __LINE__);
+  if (C % num_groups != 0) return false;
+  if (TORCH_GUARD_SIZE_OBLIVIOUS(x.sym_numel().sym_eq(0)) && !TORCH_GUARD_SIZE_OBLIVIOUS(x.sym_size(0).sym_eq(0))) {
+    return false;
+  }
+  return channels_last_dense(x);
+}
+
+at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, const OptTensor& weight,
+                                   const OptTensor& bias, double eps, c10::string_view activation,
+                                   const OptTensor& scale, const OptTensor& shift) {
+  const Act act = parse_activation(activation);
+  const OptTensor scale_b = broadcastable(scale, x, "scale"), shift_b = broadcastable(shift, x, "shift");
+  check_values_per_group(x, num_groups);
+  if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
+    return std::get<0>(forward_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps,
+                                         activation));
+  }
+  TORCH_CHECK_TYPE(x.is_floating_point() || x.is_complex(),
+                   "gn_patch.group_norm_act: expected a floating-point input, got " + dtype_str(x.scalar_type()));
+  return pytorch_path(x, num_groups, weight, bias, eps, act, scale_b, shift_b);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gn_patch, Autograd, m) { m.impl("group_norm_act", &group_norm_act_autograd); }
+
+TORCH_LIBRARY_IMPL(gn_patch, CompositeImplicitAutograd, m) {
+  m.impl("group_norm_act_dispatch", &group_norm_act_dispatch);
+}
+
+TORCH_LIBRARY_FRAGMENT(gn_patch, m) {
+  m.def("_set_cpu_emulates_kernels(bool enabled) -> bool", &set_cpu_emulates_kernels);
+}
+
+}  // namespace gn_patch

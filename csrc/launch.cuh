@@ -1,0 +1,117 @@
+// Host-side launch helpers shared by forward.cu and backward.cu: the dtype/vector/activation dispatch to the
+// kernels' template arguments, and cluster launches.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <array>
+#include <atomic>
+#include <string>
+
+#include "group_norm_act.h"
+
+namespace gn_patch {
+
+// Calls Kernels<T, V, A>::fn(args...) for the runtime dtype, vector width and activation. Every combination is
+// instantiated, so every kernel exists for every input the op accepts.
+template <template <typename, int, Act> class Kernels, typename T, int V, typename... Args>
+auto dispatch_activation(Act act, Args&&... args) {
+  switch (act) {
+    case Act::kSilu: return Kernels<T, V, Act::kSilu>::fn(args...);
+    case Act::kGelu: return Kernels<T, V, Act::kGelu>::fn(args...);
+    case Act::kGeluTanh: return Kernels<T, V, Act::kGeluTanh>::fn(args...);
+    case Act::kRelu: return Kernels<T, V, Act::kRelu>::fn(args...);
+    case Act::kMish: return Kernels<T, V, Act::kMish>::fn(args...);
+    case Act::kIdentity: break;
+  }
+  return Kernels<T, V, Act::kIdentity>::fn(args...);
+}
+
+// vec: 16 bytes of T, or a smaller power of two (make_geometry's choice).
+template <template <typename, int, Act> class Kernels, typename T, typename... Args>
+auto dispatch_vector(int vec, Act act, Args&&... args) {
+  constexpr int kFull = 16 / sizeof(T);
+  if (vec == kFull) return dispatch_activation<Kernels, T, kFull>(act, args...);
+  if (vec == kFull / 2) return dispatch_activation<Kernels, T, kFull / 2>(act, args...);
+  if constexpr (kFull == 8) {
+    if (vec == 2) return dispatch_activation<Kernels, T, 2>(act, args...);
+  }
+  return dispatch_activation<Kernels, T, 1>(act, args...);
+}
+
+template <template <typename, int, Act> class Kernels, typename... Args>
+auto dispatch(ScalarKind dtype, int vec, Act act, Args&&... args) {
+  switch (dtype) {
+    case ScalarKind::kHalf: return dispatch_vector<Kernels, __half>(vec, act, args...);
+    case ScalarKind::kBFloat16: return dispatch_vector<Kernels, __nv_bfloat16>(vec, act, args...);
+    case ScalarKind::kFloat: break;
+  }
+  return dispatch_vector<Kernels, float>(vec, act, args...);
+}
+
+// Launches `kernel(args)` over the geometry's grid, as thread-block clusters of g.cluster() blocks when > 1.
+template <typename Args>
+void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream, const Args& args) {
+  TORCH_CHECK(g.blocks() < (int64_t{1} << 31), "gn_patch: the tensor needs " + std::to_string(g.blocks()) +
+                                                  " blocks, more than a CUDA grid holds");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)g.blocks());
+  config.blockDim = dim3((unsigned)g.threads());
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  if (g.cluster() > 1) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = (unsigned)g.cluster();
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+}
+
+// The largest power-of-two cluster (<= kMaxCluster) `kernel` launches with on the current device, with blocks of
+// kMaxThreads threads; 1 without cluster support. Opts the kernel in to non-portable sizes (> 8) where the
+// device schedules them. `cache` holds one entry per device (0: not queried yet).
+template <typename Args>
+int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, 64>& cache) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  TORCH_CHECK(device >= 0 && device < (int)cache.size(), "gn_patch: device index out of range");
+  const int cached = cache[device].load(std::memory_order_relaxed);
+  if (cached > 0) return cached;
+  // Inside a CUDA-graph capture the opt-in and the occupancy query are not made: portable clusters then.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return 8;
+  int supported = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device));
+  int result = 1;
+  if (supported) {
+    result = 8;  // every sm_90 device schedules clusters of 8 ("portable")
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(kMaxCluster);
+      config.blockDim = dim3(kMaxThreads);
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = kMaxCluster;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0) {
+        result = kMaxCluster;
+      }
+    }
+    (void)cudaGetLastError();  // a refused opt-in or query is an answer, not an error to report later
+  }
+  cache[device].store(result, std::memory_order_relaxed);
+  return result;
+}
+
+}  // namespace gn_patch

@@ -1,0 +1,163 @@
+// Argument checks, layout queries and name parsing shared by the CUDA ops (ops.cpp) and the dispatching op
+// (autograd.cpp). Messages match torch.nn.GroupNorm's where it has one, and gn_patch/ops.py's fake functions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "group_norm_act.h"
+
+namespace gn_patch {
+
+// Messages are assembled as one std::string (std::to_string, no iostreams): formatting numbers through the
+// inline iostream templates that TORCH_CHECK's variadic form instantiates crashed an extension built with the
+// H200 image's toolchain (segfault inside std::ostream::_M_insert<long>).
+inline std::string shape_str(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
+inline std::string dtype_str(at::ScalarType t) { return c10::toString(t); }
+
+// Symbolic sizes (torch.compile with dynamic shapes) print as "s?".
+inline std::string shape_str(c10::SymIntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const auto value = sizes[i].maybe_as_int();
+    s += (i ? ", " : "") + (value ? std::to_string(*value) : std::string("s?"));
+  }
+  return s + "]";
+}
+
+inline Act parse_activation(std::string_view name) {
+  if (name == "identity") return Act::kIdentity;
+  if (name == "silu") return Act::kSilu;
+  if (name == "gelu") return Act::kGelu;
+  if (name == "gelu_tanh") return Act::kGeluTanh;
+  if (name == "relu") return Act::kRelu;
+  if (name == "mish") return Act::kMish;
+  TORCH_CHECK_VALUE(false, "activation: unknown activation '" + std::string(name) +
+                               "'; expected one of gelu, gelu_tanh, identity, mish, relu, silu");
+}
+
+inline bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+inline ScalarKind scalar_kind(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return ScalarKind::kFloat;
+    case at::kHalf: return ScalarKind::kHalf;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "gn_patch CUDA kernel: expected a float32, float16 or bfloat16 input, got " +
+                                  dtype_str(x.scalar_type()) +
+                                  " (gn_patch.group_norm_act takes the PyTorch path for other floating dtypes)");
+  }
+}
+
+// Dense with the channel dimension innermost: (N, C, *spatial) stored as (N, *spatial, C). Size-1
+// dimensions may carry any stride, as in PyTorch's own contiguity checks.
+inline bool is_channels_last_dense(const at::Tensor& x) {
+  int64_t expected = 1;
+  auto check = [&](int64_t d) {
+    if (x.size(d) != 1 && x.stride(d) != expected) return false;
+    expected *= x.size(d);
+    return true;
+  };
+  if (!check(1)) return false;
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (!check(d)) return false;
+  }
+  return check(0);
+}
+
+// A fresh channels-last dense copy of x (any rank >= 2), 16-byte aligned by the caching allocator.
+inline at::Tensor channels_last_copy(const at::Tensor& x) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.push_back(sizes[1]);
+  sizes.erase(sizes.begin() + 1);
+  return at::empty(sizes, x.options()).movedim(-1, 1).copy_(x);
+}
+
+inline int64_t spatial_size(const at::Tensor& x) {
+  int64_t s = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) s *= x.size(d);
+  return s;
+}
+
+// Groups the kernels take: at most kMaxThreads vectors (of the widest width D allows) and kMaxTileChannels
+// channels; the CUDA ops compute wider ones with ATen (aten_path.h).
+inline bool kernel_supports_group_size(int64_t D, int elem_size) {
+  return D <= kMaxTileChannels && D / choose_vec(D, elem_size, 16) <= kMaxThreads;
+}
+
+// Checks of the CUDA ops' inputs, shared by forward and backward, with torch.nn.GroupNorm's messages where it has
+// one.
+inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale,
+                         const std::optional<at::Tensor>& shift, int64_t num_groups) {
+  TORCH_CHECK(x.is_cuda(), "gn_patch CUDA kernel: expected a CUDA input, got device " + x.device().str());
+  TORCH_CHECK_TYPE(x.is_floating_point(), "gn_patch: expected a floating-point input, got " + dtype_str(x.scalar_type()));
+  TORCH_CHECK(x.dim() >= 2 && x.dim() <= 5,
+              "gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
+  scalar_kind(x);
+  const int64_t N = x.size(0), C = x.size(1);
+  TORCH_CHECK(num_groups > 0, "gn_patch: num_groups must be positive, got " + std::to_string(num_groups));
+  TORCH_CHECK(C % num_groups == 0,
+              "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
+                  shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));
+  TORCH_CHECK(x.numel() > 0 || N == 0, "gn_patch: empty spatial size in input of shape " + shape_str(x.sizes()));
+  for (const auto* p : {&weight, &bias}) {
+    if (!p->has_value()) continue;
+    const at::Tensor& t = **p;
+    const std::string name = p == &weight ? "weight" : "bias";
+    TORCH_CHECK(t.dim() == 1 && t.numel() == C, "Expected " + name +
+                                                    " to be a vector of size equal to the number of channels in input, "
+                                                    "but got " + name + " of shape " + shape_str(t.sizes()) +
+                                                    " and input of shape " + shape_str(x.sizes()));
+  }
+  for (const auto* p : {&scale, &shift}) {
+    if (!p->has_value()) continue;
+    const at::Tensor& t = **p;
+    const std::string name = p == &scale ? "scale" : "shift";
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == N && t.size(1) == C,
+                      "gn_patch: " + name + " must have shape (N, C) = (" + std::to_string(N) + ", " +
+                          std::to_string(C) + "), got " + shape_str(t.sizes()));
+  }
+  for (const auto* p : {&weight, &bias, &scale, &shift}) {
+    if (!p->has_value()) continue;
+    const at::Tensor& t = **p;
+    const std::string name = p == &weight ? "weight" : p == &bias ? "bias" : p == &scale ? "scale" : "shift";
+    TORCH_CHECK(t.device() == x.device(), "Expected all tensors to be on the same device, but found input on " +
+                                              x.device().str() + " and " + name + " on " + t.device().str());
+    TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type() || t.scalar_type() == at::kFloat,
+                     "gn_patch: " + name + " must have the input's dtype (" + dtype_str(x.scalar_type()) +
+                         ") or float32, got " + dtype_str(t.scalar_type()));
+  }
+  for (const auto& [a, b, names] : {std::tuple{&weight, &bias, "weight and bias"}, std::tuple{&scale, &shift,
+                                                                                             "scale and shift"}}) {
+    if (a->has_value() && b->has_value()) {
+      TORCH_CHECK_TYPE((*a)->scalar_type() == (*b)->scalar_type(),
+                       std::string("gn_patch: ") + names + " must have the same dtype, got " +
+                           dtype_str((*a)->scalar_type()) + " and " + dtype_str((*b)->scalar_type()));
+    }
+  }
+}
+
+inline void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
+                                  const at::Tensor& rstd, int64_t num_groups) {
+  TORCH_CHECK(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type() &&
+                  grad_out.device() == x.device(),
+              "gn_patch: grad_out must match the input's shape, dtype and device");
+  const int64_t N = x.size(0);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.dim() == 2 &&
+                  rstd.dim() == 2 && mean.size(0) == N && mean.size(1) == num_groups && rstd.size(0) == N &&
+                  rstd.size(1) == num_groups,
+              "gn_patch: mean and rstd must be float32 of shape (N, num_groups)");
+}
+
+}  // namespace gn_patch

@@ -1,0 +1,53 @@
+"""Rules for diffusers.models.resnet and diffusers.models.normalization: the resnet blocks, AdaGroupNorm."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.normalization import AdaGroupNorm
+from diffusers.models.resnet import Conv1dBlock, ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
+
+from ..ops import group_norm_act
+from .base import Surgery, rule, stands_in_for, verified
+from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs
+
+# norm1 -> nonlinearity; norm2 (after the timestep shift, or with the timestep scale/shift of
+# time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts on temb.
+fusion(ResnetBlock2D, "eda498bf0236feb0",
+       activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
+       modulated_if=lambda block: block.time_embedding_norm == "scale_shift")
+# The 5-D blocks of Stable Video Diffusion.
+fusion(TemporalResnetBlock, "7c1ebea7613ebc9f",
+       activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"})
+# norm1/norm2 are AdaGroupNorm (fused below) or SpatialNorm (its own rule: the modulation by the latent comes
+# between the normalization and the activation).
+fusion(ResnetBlockCondNorm2D, "b82e6799b20e46d8",
+       activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"})
+# UNet1D reinforcement-learning blocks: Conv1d -> GroupNorm (on the (B, C, 1, L) view) -> Mish.
+pairs(Conv1dBlock, "5dd5cd3294134f5e", {"group_norm": "mish"})
+
+verified(AdaGroupNorm.forward, "08a3993270b2378a")
+
+
+@stands_in_for(AdaGroupNorm, added_state=("activation",))
+class _FusedAdaGroupNorm(AdaGroupNorm):
+    """AdaGroupNorm whose GroupNorm, timestep scale/shift and (with ``activation`` set by the surgeon) following
+    activation run as one gn_patch op."""
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        # diffusers 0.42.1 AdaGroupNorm.forward; F.group_norm and `x * (1 + scale) + shift` become one call.
+        if self.act:
+            emb = self.act(emb)
+        emb = self.linear(emb)
+        emb = emb[:, :, None, None]
+        scale, shift = emb.chunk(2, dim=1)
+        return group_norm_act(x, self.num_groups, eps=self.eps, activation=self.activation, scale=scale, shift=shift)
+
+
+ACTIVATION_NORMS[AdaGroupNorm] = _FusedAdaGroupNorm
+
+
+@rule(AdaGroupNorm, _FusedAdaGroupNorm)
+def ada_group_norm(s: Surgery, name: str, norm: AdaGroupNorm) -> None:
+    """An AdaGroupNorm no block fused an activation into: its scale/shift still joins the normalization."""
+    fused_norm_alone(s, name, norm, "AdaGroupNorm+scale_shift")
+

@@ -20,6 +20,13 @@ def _holds_group_norm(module: nn.Module) -> bool:
     return any(isinstance(m, (nn.GroupNorm, AdaGroupNorm)) for m in module.modules())
 
 
+def _check_pipeline(pipe, function: str) -> None:
+    if not isinstance(getattr(pipe, "components", None), dict):
+        raise TypeError(f"{function}: pipe must be a diffusers DiffusionPipeline (with a `components` dict), got "
+                        f"{type(pipe).__name__}; use gn_patch.{function.replace('pipeline', 'model')} for a single "
+                        "model")
+
+
 def patch_pipeline(pipe, *, cuda_graph: bool = False, max_graphs: int = cuda_graphs.DEFAULT_MAX_GRAPHS,
                    **kwargs) -> PatchReport:
     """:func:`~gn_patch.surgeon.patch_model` applied to each torch.nn.Module in ``pipe.components`` that holds a
@@ -36,18 +43,18 @@ def patch_pipeline(pipe, *, cuda_graph: bool = False, max_graphs: int = cuda_gra
             per call signature and replayed after (:mod:`gn_patch.cuda_graphs`); replaces the graphs of an
             earlier call. False leaves graphs an earlier call installed as they are.
         max_graphs: with cuda_graph, call signatures kept per module (least recently used dropped beyond).
-        **kwargs: passed to patch_model (``channels_last``).
+        **kwargs: passed to patch_model (``channels_last``: ``"activations"`` for FSDP2, ``channels_last_3d``).
 
     Returns:
         PatchReport of all components, module names prefixed by the component's name (``unet.conv_norm_out``);
         its ``cuda_graphs`` is the pipeline's live :class:`~gn_patch.cuda_graphs.CUDAGraphs` where it has graphs.
 
     Raises:
-        ValueError: cuda_graph with a component offloaded by accelerate hooks; nothing is changed then.
+        TypeError: ``pipe`` has no ``components`` dict (a single model: use patch_model).
+        ValueError: cuda_graph with a component offloaded by accelerate hooks, or a bad ``channels_last``;
+            nothing is changed then.
     """
-    if not isinstance(getattr(pipe, "components", None), dict):
-        raise TypeError(f"patch_pipeline expects a diffusers DiffusionPipeline (with a `components` dict), got "
-                        f"{type(pipe).__name__}; use gn_patch.patch_model for a single model")
+    _check_pipeline(pipe, "patch_pipeline")
     if cuda_graph:
         cuda_graphs.graph_targets(pipe)  # refuses an offloaded pipeline before anything is patched
     report = PatchReport()
@@ -71,9 +78,11 @@ def unpatch_pipeline(pipe) -> int:
         The number of GroupNorms turned back from GroupNormAct.
 
     Raises:
+        TypeError: ``pipe`` has no ``components`` dict (a single model: use unpatch_model).
         ValueError: a component cannot be unpatched (unpatch_model's reasons, the module named with its
             component's prefix, ``unet.mid_block.resnets.0``); no component is changed then.
     """
+    _check_pipeline(pipe, "unpatch_pipeline")
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, nn.Module)}
     for name, component in modules.items():
         _check_unpatchable(component, prefix=name)

@@ -35,6 +35,10 @@ class PatchReport:
         skipped: (module name, reason) of every GroupNorm-like module left as it is (from patch_pipeline, also of
             each transformers component holding a GroupNorm, which it leaves alone).
         channels_last: number of conv weights this call converted to channels_last (4-D) or channels_last_3d (5-D).
+        layout_kept: (weight name, reason) of every conv weight this call would have converted but left as it is:
+            DTensors (sharded by FSDP2's fully_shard) and other tensor subclasses.
+        channels_last_inputs: names of the modules whose tensor arguments this call's ``channels_last="activations"``
+            makes channels-last, in a forward pre-hook (the root is ``""``).
         cuda_graphs: from patch_pipeline, the pipeline's live :class:`~gn_patch.cuda_graphs.CUDAGraphs` (captured
             signatures, replays, eager fallbacks, graph memory, updated as graphs are captured); None without.
     """
@@ -44,6 +48,8 @@ class PatchReport:
     already_patched: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     channels_last: int = 0
+    layout_kept: list[tuple[str, str]] = field(default_factory=list)
+    channels_last_inputs: list[str] = field(default_factory=list)
     cuda_graphs: CUDAGraphs | None = None
 
     @property
@@ -62,18 +68,26 @@ class PatchReport:
             already_patched=self.already_patched + named(other.already_patched),
             skipped=self.skipped + named(other.skipped),
             channels_last=self.channels_last + other.channels_last,
+            layout_kept=self.layout_kept + named(other.layout_kept),
+            channels_last_inputs=self.channels_last_inputs + [join_name(prefix, n) for n in other.channels_last_inputs],
         )
 
     def __str__(self) -> str:
         lines = [f"gn_patch: fused {len(self.patched)} GroupNorm(s), {len(self.alone)} run alone, "
                  f"{len(self.already_patched)} already fused, {len(self.skipped)} left as they are; "
-                 f"{self.channels_last} conv weight(s) made channels-last"]
+                 f"{self.channels_last} conv weight(s) made channels-last"
+                 + (f", inputs made channels-last at {', '.join(n or '<root>' for n in self.channels_last_inputs)}"
+                    if self.channels_last_inputs else "")]
         for title, entries in (("fused", self.patched), ("run alone, not fused", self.alone),
                                ("already fused", self.already_patched)):
             if entries:
                 lines.append(f"  {title}:")
                 counts = Counter(kind for _, kind in entries)
                 lines += [f"    {count:5d}  {kind}" for kind, count in sorted(counts.items())]
+        if self.layout_kept:
+            lines.append("  conv weights whose layout is kept:")
+            reasons = Counter(reason for _, reason in self.layout_kept)
+            lines += [f"    {count:5d}  {reason}" for reason, count in sorted(reasons.items())]
         if self.skipped:
             lines.append("  left as they are:")
             lines += [f"    {name or '<root>'}: {reason}" for name, reason in self.skipped]

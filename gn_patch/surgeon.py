@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from .modules import GroupNormAct
-from .report import PatchReport
+from .report import PatchReport, join_name
 from .rules import ORIGINAL_CLASS, RULES
 from .rules.base import (ADDED_STATE, VERSION_SKIP, FusedActivation, StockLayoutGroupNorm, Surgery,
-                         forward_override_problem, fuse_norm, restore)
+                         forward_override_problem, fuse_norm, has_output_hooks, patched_class, restore)
 
 __all__ = ["PatchReport", "patch_model", "unpatch_model"]
 
@@ -106,25 +106,39 @@ _CHANNELS_LAST_3D = {nn.Conv3d: torch.channels_last_3d, nn.ConvTranspose3d: torc
 
 
 def _conv_weights(model: nn.Module, formats: dict[type, torch.memory_format]):
-    """(qualified name, weight, memory format) of the weights of ``model``'s convs of the classes in ``formats``
-    (subclasses included), outside peft adapters."""
+    """(qualified name, weight, memory format) of the Parameter weights of ``model``'s convs of the classes in
+    ``formats`` (subclasses included), outside peft adapters; parametrized weights are not Parameters."""
     adapters = _adapter_convs(model)
     for name, module in model.named_modules():
         memory_format = next((f for cls, f in formats.items() if isinstance(module, cls)), None)
         if memory_format is None or id(module) in adapters:
             continue
         weight = getattr(module, "weight", None)
-        # Parameters only (not parametrized weights); plain tensors (not quantized or other tensor subclasses).
-        if isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor:
+        if isinstance(weight, nn.Parameter):
             yield f"{name}.weight" if name else "weight", weight, memory_format
 
 
-def _make_conv_weights_channels_last(model: nn.Module, formats: dict[type, torch.memory_format]) -> list[str]:
+def _layout_kept(weight: nn.Parameter) -> str | None:
+    """Why patch_model leaves ``weight``'s layout as it is; None for a plain tensor, which it converts."""
+    if type(weight.data) is torch.Tensor:
+        return None
+    if type(weight.data).__name__ == "DTensor":
+        return ("a DTensor (sharded by FSDP2's fully_shard, which needs contiguous parameters): patch with "
+                "channels_last='activations' for channels-last activations")
+    return f"a {type(weight.data).__name__}, not a plain tensor"
+
+
+def _make_conv_weights_channels_last(model: nn.Module, formats: dict[type, torch.memory_format],
+                                     report: PatchReport) -> list[str]:
     """Give the conv weights of the classes in ``formats`` that memory format in place; returns the names of
-    those changed. Unlike ``model.to(memory_format=...)``, leaves all other tensors alone."""
+    those changed, and lists in ``report.layout_kept`` those it cannot change (DTensors, quantized tensors...).
+    Unlike ``model.to(memory_format=...)``, leaves all other tensors alone."""
     changed = []
     for name, weight, memory_format in _conv_weights(model, formats):
-        if not weight.is_contiguous(memory_format=memory_format):
+        reason = _layout_kept(weight)
+        if reason is not None:
+            report.layout_kept.append((name, reason))
+        elif not weight.is_contiguous(memory_format=memory_format):
             weight.data = weight.data.contiguous(memory_format=memory_format)
             changed.append(name)
     return changed
@@ -139,7 +153,8 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
     """Make the named conv weights of ``model`` contiguous again (names no longer present are passed over; a
     LoRA adapter added after patching does not hide a conv it wrapped)."""
     weights = {_without_peft_wrappers(name): weight
-               for name, weight, _ in _conv_weights(model, _CHANNELS_LAST | _CHANNELS_LAST_3D)}
+               for name, weight, _ in _conv_weights(model, _CHANNELS_LAST | _CHANNELS_LAST_3D)
+               if _layout_kept(weight) is None}
     for name in names:
         weight = weights.get(name)
         if weight is not None and not weight.is_contiguous():
@@ -147,9 +162,63 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# Channels-last activations (channels_last="activations"): parameters keep their layout
+# ------------------------------------------------------------------------------------------------
+_INPUT_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+# Children an autoencoder's encode()/decode() call without its forward: they get the input hook too.
+_ENTRY_CHILDREN = ("encoder", "decoder")
+
+
+class ChannelsLastInputs:
+    """Forward pre-hook of ``patch_model(model, channels_last="activations")``: makes the floating-point tensor
+    arguments of the ``ndims`` ranks channels-last (4-D: channels_last, 5-D: channels_last_3d) once, at the model's
+    root. cuDNN then picks its NHWC convolutions from the input's layout, and the fused norms keep it, so
+    activations flow NHWC with contiguous weights (what FSDP2's fully_shard needs). One hook per call, not per conv.
+    """
+
+    def __init__(self, ndims: tuple[int, ...]) -> None:
+        self.ndims = ndims
+
+    def _convert(self, value):
+        if isinstance(value, torch.Tensor) and value.dim() in self.ndims and value.is_floating_point():
+            return value.contiguous(memory_format=_INPUT_FORMATS[value.dim()])
+        return value
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(map(self._convert, args)), {key: self._convert(value) for key, value in kwargs.items()}
+
+
+def _input_hook_ids(module: nn.Module) -> list[int]:
+    return [key for key, hook in module._forward_pre_hooks.items() if isinstance(hook, ChannelsLastInputs)]
+
+
+def _add_input_hooks(model: nn.Module, ndims: tuple[int, ...]) -> list[str]:
+    """Install ChannelsLastInputs on ``model`` and its entry children (a module holding one already keeps it);
+    returns the names of the modules that got one."""
+    entries = {"": model} | {name: child for name, child in model.named_children() if name in _ENTRY_CHILDREN}
+    added = []
+    for name, module in entries.items():
+        if not _input_hook_ids(module):
+            module.register_forward_pre_hook(ChannelsLastInputs(ndims), with_kwargs=True)
+            added.append(name)
+    return added
+
+
+def _remove_input_hooks(module: nn.Module) -> None:
+    for key in _input_hook_ids(module):
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _check_module(model, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------------
-def patch_model(model: nn.Module, *, channels_last: bool = True, channels_last_3d: bool = True) -> PatchReport:
+def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_last_3d: bool = True) -> PatchReport:
     """Make the GroupNorms of ``model`` run gn_patch's fused op, in place, fused with what follows where the
     surgeon knows the code (see the module docstring).
 
@@ -168,62 +237,107 @@ def patch_model(model: nn.Module, *, channels_last: bool = True, channels_last_3
     Args:
         model: any torch.nn.Module, e.g. a diffusers UNet2DConditionModel, AutoencoderKL or
             AutoencoderKLCogVideoX.
-        channels_last: also give the Conv2d/ConvTranspose2d weights (4-D) the channels_last memory format, so
-            4-D activations flow NHWC through the network (what the CUDA kernels read).
-        channels_last_3d: also give the Conv3d/ConvTranspose3d weights (5-D) the channels_last_3d memory format,
-            so video activations flow NDHWC (cuDNN then runs its NDHWC convolutions; measure them with
-            benchmarks/tools/conv3d_layout.py). Other tensors keep their layout; unpatch_model converts the
-            weights back.
+        channels_last: how 4-D activations come to flow NHWC through the network (what the CUDA kernels read).
+            True: give the Conv2d/ConvTranspose2d weights the channels_last memory format (the fastest
+            inference). ``"activations"``: leave every parameter as it is and make the model's 4-D tensor
+            arguments channels_last once, in a forward pre-hook on ``model`` (and on its ``encoder``/``decoder``
+            children, which autoencoders' encode()/decode() call directly); cuDNN picks its NHWC convolutions from
+            the input's layout. Needed for FSDP2's fully_shard, which refuses non-contiguous parameters. False:
+            neither. Parameters that are DTensors (patch_model after fully_shard) or other tensor subclasses are
+            never converted (``report.layout_kept``).
+        channels_last_3d: the same for 5-D activations (NDHWC), with channels_last True: the
+            Conv3d/ConvTranspose3d weights become channels_last_3d (cuDNN then runs its NDHWC convolutions;
+            measure them with benchmarks/tools/conv3d_layout.py); with ``"activations"``: 5-D tensor arguments
+            become channels_last_3d. Other tensors keep their layout; unpatch_model converts the weights back and
+            removes the hooks.
 
     Returns:
         PatchReport: fused, run alone, already fused and skipped GroupNorms (qualified names), conv weights
-        converted.
+        converted and kept, modules whose inputs are made channels-last.
+
+    Raises:
+        TypeError: ``model`` is not a torch.nn.Module.
+        ValueError: ``channels_last`` is not True, False or "activations".
     """
-    surgery = Surgery(model, channels_last)
+    _check_module(model, "patch_model")
+    if not (isinstance(channels_last, bool) or channels_last == "activations"):
+        raise ValueError(f"patch_model: channels_last must be True (channels_last conv weights), 'activations' "
+                         f"(channels-last inputs, parameters as they are) or False, got {channels_last!r}")
+    surgery = Surgery(model, bool(channels_last))
     _walk(surgery, model)
     version_skips = [reason for _, reason in surgery.report.skipped + surgery.report.alone if VERSION_SKIP in reason]
     if version_skips:
         warnings.warn(f"gn_patch: {len(version_skips)} GroupNorm(s) not fused: {version_skips[0]}",
                       RuntimeWarning, stacklevel=2)
+    if channels_last == "activations":
+        surgery.report.channels_last_inputs = _add_input_hooks(model, (4, 5) if channels_last_3d else (4,))
+        return surgery.report
     formats = (_CHANNELS_LAST if channels_last else {}) | (_CHANNELS_LAST_3D if channels_last_3d else {})
-    converted = _make_conv_weights_channels_last(model, formats)
+    converted = _make_conv_weights_channels_last(model, formats, surgery.report)
     surgery.report.channels_last = len(converted)
     if converted:
         setattr(model, _LAYOUT_FLAG, tuple(model.__dict__.get(_LAYOUT_FLAG, ())) + tuple(converted))
     return surgery.report
 
 
+def _unpatch_problems(model: nn.Module) -> list[tuple[str, str]]:
+    """(module name, why unpatch_model cannot restore it exactly) for every module of ``model`` that it could not
+    turn back into stock; empty when it can restore them all."""
+    problems = []
+    for name, module in model.named_modules():
+        patched = next((cls for cls in type(module).__mro__ if cls in ORIGINAL_CLASS), None)
+        if patched is not None and patched_class(type(module)) is None:
+            problems.append((name, f"its class {type(module).__qualname__} subclasses the patched "
+                                   f"{patched.__name__} (a wrapper class gn_patch cannot undo; it undoes FSDP2's "
+                                   "fully_shard and replicate, and parametrizations)"))
+        elif patched is not None and forward_override_problem(module):
+            # A wrapper that captured a patched forward (diffusers' HookRegistry, group offloading, ...) would keep
+            # calling it after the class switch back.
+            problems.append((name, "the forward is wrapped on the instance by hooks added after patch_model (e.g. "
+                                   "diffusers' group offloading or HookRegistry hooks); remove them"))
+        for key, child in module._modules.items():
+            if isinstance(child, FusedActivation) and (type(child) is not FusedActivation or has_output_hooks(child)
+                                                       or child._forward_pre_hooks or "forward" in vars(child)):
+                # unpatch puts the original activation module back: what was added to the stand-in would be lost.
+                problems.append((join_name(name, key), "the stand-in for the fused activation has hooks or a "
+                                                       "wrapper class added after patch_model; remove them"))
+    return problems
+
+
 def _check_unpatchable(model: nn.Module, prefix: str = "") -> None:
     """Raise the ValueError :func:`unpatch_model` would raise for ``model``, changing nothing (module names in the
     message prefixed by ``prefix``, e.g. a pipeline component's name)."""
-    if "activation" in ADDED_STATE.get(type(model), ()) and model.activation != "identity":
+    patched = patched_class(type(model))
+    if patched is not None and "activation" in ADDED_STATE[patched] and model.activation != "identity":
         raise ValueError("unpatch_model: this GroupNorm was fused with the activation its parent module applies after "
                          "it; unpatch the parent (or the whole model) so that the activation comes back too")
-    # A wrapper that captured a patched forward (diffusers' HookRegistry, group offloading, ...) would keep calling
-    # it after the class switch back: refuse before changing anything.
-    wrapped = [".".join(filter(None, (prefix, name))) or "<root>" for name, module in model.named_modules()
-               if type(module) in ORIGINAL_CLASS and forward_override_problem(module)]
-    if wrapped:
-        raise ValueError(f"unpatch_model: {', '.join(wrapped[:5])}{' ...' if len(wrapped) > 5 else ''}: the forward "
-                         "is wrapped on the instance by hooks added after patch_model (e.g. diffusers' group "
-                         "offloading or HookRegistry hooks); remove them before unpatching")
+    problems = _unpatch_problems(model)
+    if problems:
+        listed = "; ".join(f"{join_name(prefix, name) or '<root>'}: {why}" for name, why in problems[:3])
+        raise ValueError(f"unpatch_model: cannot restore {len(problems)} module(s), nothing was changed: {listed}"
+                         + (" ..." if len(problems) > 3 else ""))
 
 
 def unpatch_model(model: nn.Module) -> int:
     """Undo :func:`patch_model` in place: module classes, forwards and activation modules become stock again.
 
     Conv weights that patch_model made channels_last become contiguous again (also when it patched a submodule
-    or a pipeline component of ``model``); weights that were channels_last before keep that layout. GroupNormAct
-    modules not created by patch_model are left alone.
+    or a pipeline component of ``model``); weights that were channels_last before keep that layout. The
+    channels-last input hooks of ``channels_last="activations"`` are removed. GroupNormAct modules not created by
+    patch_model are left alone. Wrapper classes that FSDP2's fully_shard (or replicate) and
+    torch.nn.utils.parametrize gave patched modules after patching stay, around the stock class: the model is
+    then what those wrappers would have made of the stock model. Every module is checked before any is changed.
 
     Returns:
         The number of GroupNorms turned back from GroupNormAct.
 
     Raises:
-        ValueError: ``model`` is a single GroupNorm fused with its parent's activation (unpatch the parent), or a
-            patched module's forward is wrapped by hooks added after patching (remove them first); nothing is
-            changed then.
+        TypeError: ``model`` is not a torch.nn.Module.
+        ValueError: ``model`` is a single GroupNorm fused with its parent's activation (unpatch the parent); a
+            patched module's forward is wrapped by hooks added after patching, or its class by a wrapper gn_patch
+            does not know, or a fused activation's stand-in has hooks (remove them first); nothing is changed then.
     """
+    _check_module(model, "unpatch_model")
     _check_unpatchable(model)
     return _unpatch(model)
 
@@ -232,9 +346,11 @@ def _unpatch(model: nn.Module) -> int:
     """unpatch_model's work, once _check_unpatchable has passed."""
     restored = 0
     for module in list(model.modules()):
-        if type(module) in ORIGINAL_CLASS:
-            restored += "activation" in ADDED_STATE[type(module)]
+        patched = patched_class(type(module))
+        if patched is not None:
+            restored += "activation" in ADDED_STATE[patched]
             restore(module)
+        _remove_input_hooks(module)
         for key, child in list(module._modules.items()):
             if isinstance(child, FusedActivation):
                 child.original.train(child.training)

@@ -1,12 +1,16 @@
-"""Data-parallel training of a patched UNet on two CPU processes (gloo).
+"""Data-parallel training of a patched UNet on two CPU processes (gloo), and FSDP2 (fully_shard) on one.
 
 DistributedDataParallel must all-reduce the gradients of the fused GroupNormAct parameters like any others:
 after one backward pass both ranks hold the same gradients, equal to a single process's on the full batch.
 The training example must give the same losses on two processes with batch B as on one with batch 2B.
+FSDP2 needs contiguous parameters: patch_model(channels_last="activations") shards and trains like stock, patching
+after fully_shard leaves the DTensor weights alone, and unpatch_model under fully_shard's wrapper classes restores
+the model fully_shard would have made of the stock one.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -14,14 +18,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import UNet2DConditionModel
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from gn_patch import configs
-from gn_patch.surgeon import patch_model
+from gn_patch.surgeon import patch_model, unpatch_model
 
 from .training_utils import (
     assert_grads_close,
@@ -34,6 +41,7 @@ from .training_utils import (
     probe_loss,
     unet_inputs,
 )
+from .tiny_models import assert_same_outputs, module_types, sd15_unet_inputs, tiny_sd15_unet
 
 WORLD_SIZE = 2
 BATCH = 4  # the full batch; each rank takes BATCH // WORLD_SIZE samples
@@ -103,3 +111,97 @@ def test_training_script_on_two_processes_matches_one(tmp_path):
     assert two["config"]["global_batch_size"] == one["config"]["global_batch_size"] == 2
     assert two["patched"] and one["patched"]
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 (fully_shard) in one process
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A single-process gloo group (a FileStore: no port to pick), destroyed after the test."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def shard_blocks(unet: UNet2DConditionModel) -> UNet2DConditionModel:
+    """fully_shard on each down and up block, then on the root (the usual FSDP2 wrapping of a UNet)."""
+    for block in (*unet.down_blocks, *unet.up_blocks):
+        fully_shard(block)
+    return fully_shard(unet)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """collect_grads with DTensor gradients gathered."""
+    return {name: grad.full_tensor() if isinstance(grad, DTensor) else grad
+            for name, grad in collect_grads(model).items()}
+
+
+def sgd_losses(model: torch.nn.Module, inputs: dict, probe: torch.Tensor, steps: int = 3) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = probe_loss(model(**inputs).sample, probe)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fsdp2_trains_a_unet_patched_with_channels_last_activations(gloo_group):
+    """The mode FSDP2 needs: parameters stay contiguous, fully_shard accepts them, and training steps give the
+    stock unsharded model's losses and gradients."""
+    config = configs.TINY_SD15_UNET
+    stock = build_unet(config)
+    inputs, probe = unet_inputs(config, 2, tokens=8), output_probe(config, 2)
+    sharded = copy.deepcopy(stock)
+    report = patch_model(sharded, channels_last="activations")
+    assert report.patched and report.channels_last == 0 and report.channels_last_inputs == [""]
+    shard_blocks(sharded)
+    assert isinstance(sharded.conv_in.weight.data, DTensor)
+
+    expected = sgd_losses(stock, inputs, probe)
+    torch.testing.assert_close(sgd_losses(sharded, inputs, probe), expected, rtol=1e-5, atol=0)
+    assert_grads_close(full_grads(sharded), collect_grads(stock), rtol=1e-4)
+
+
+def test_patch_after_fully_shard_leaves_the_dtensors_alone(gloo_group):
+    stock = tiny_sd15_unet()
+    inputs = sd15_unet_inputs()
+    sharded = shard_blocks(copy.deepcopy(stock))
+    report = patch_model(sharded)
+    conv_weights = [name for name, module in sharded.named_modules() if isinstance(module, torch.nn.Conv2d)]
+    assert report.channels_last == 0 and len(report.layout_kept) == len(conv_weights)
+    assert all("DTensor" in reason and "channels_last='activations'" in reason for _, reason in report.layout_kept)
+    assert "conv weights whose layout is kept" in str(report)
+    with torch.no_grad():
+        expected = stock(**inputs).sample
+        assert_same_outputs(sharded(**inputs).sample, expected)
+        unpatch_model(sharded)
+        assert_same_outputs(sharded(**inputs).sample, expected)
+
+
+def test_unpatch_under_fully_shard_wrappers_restores_stock(gloo_group):
+    """fully_shard gives each block it wraps a subclass FSDP<Class> of its class, here of the fused block:
+    unpatch_model must leave FSDP<ResnetBlock2D>, exactly what fully_shard makes of the stock block."""
+    stock = tiny_sd15_unet()
+    inputs = sd15_unet_inputs()
+    with torch.no_grad():
+        expected = stock(**inputs).sample
+
+    def shard(unet):
+        for resnet in unet.down_blocks[0].resnets:
+            fully_shard(resnet)
+        return fully_shard(unet)
+
+    patched = copy.deepcopy(stock)
+    patch_model(patched, channels_last=False)
+    shard(patched)
+    assert unpatch_model(patched) == 21
+    assert module_types(patched) == module_types(shard(copy.deepcopy(stock)))
+    assert isinstance(patched.down_blocks[0].resnets[0], FSDPModule)
+    with torch.no_grad():
+        assert_same_outputs(patched(**inputs).sample, expected, tol=1e-6)
+    assert unpatch_model(patched) == 0
+

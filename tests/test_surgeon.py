@@ -380,11 +380,126 @@ def test_unpatch_refuses_hooks_added_after_patching():
     assert unpatch_model(patched) > 0
 
 
+class Double(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_unpatch_keeps_a_parametrization_added_after_patching():
+    """parametrize gives the fused norm a subclass Parametrized<GroupNormAct>: unpatch_model must leave the
+    Parametrized<GroupNorm> that parametrizing the stock norm gives (not a GroupNormAct still applying SiLU)."""
+    from torch.nn.utils import parametrize
+
+    stock = tiny_sd15_unet()
+    patched = copy.deepcopy(stock)
+    patch_model(patched)
+    for model in (stock, patched):
+        parametrize.register_parametrization(model.down_blocks[0].resnets[0].norm1, "weight", Double())
+    inputs = sd15_unet_inputs()
+    assert unpatch_model(patched) == 21
+    norm = patched.down_blocks[0].resnets[0].norm1
+    assert type(norm).__bases__ == (nn.GroupNorm,) and type(norm).__name__ == "ParametrizedGroupNorm"
+    assert parametrize.is_parametrized(norm, "weight") and "activation" not in vars(norm)
+    with torch.no_grad():
+        assert_same_outputs(patched(**inputs).sample, stock(**inputs).sample, tol=1e-6)
+    parametrize.remove_parametrizations(norm, "weight")
+    assert type(norm) is nn.GroupNorm
+
+
+def snapshot(model: nn.Module) -> tuple[dict, dict, torch.Tensor]:
+    """What must not change when unpatch_model refuses: state_dict, module classes, output."""
+    with torch.no_grad():
+        output = model(**sd15_unet_inputs()).sample
+    return copy.deepcopy(model.state_dict()), module_types(model), output
+
+
+def assert_unchanged(model: nn.Module, before: tuple[dict, dict, torch.Tensor]) -> None:
+    state, types, output = snapshot(model)
+    assert types == before[1]
+    assert state.keys() == before[0].keys()
+    assert all(torch.equal(v, before[0][k]) and v.stride() == before[0][k].stride() for k, v in state.items())
+    assert torch.equal(output, before[2])
+
+
+def test_unpatch_refuses_a_wrapper_class_it_does_not_know():
+    """A dynamic subclass of a fused block (some other wrapper's) cannot be switched back exactly: unpatch_model
+    refuses before changing anything, naming the module."""
+    unet = tiny_sd15_unet()
+    patch_model(unet)
+    block = unet.up_blocks[1].resnets[1]
+    block.__class__ = type("Traced" + type(block).__name__, (type(block),), {})
+    before = snapshot(unet)
+    with pytest.raises(ValueError, match=r"nothing was changed: up_blocks\.1\.resnets\.1: its class .* subclasses"):
+        unpatch_model(unet)
+    assert_unchanged(unet, before)
+
+
+def test_unpatch_refuses_hooks_on_a_fused_activation_stand_in():
+    """The stand-in is swapped back for the original activation: hooks added on it would silently vanish."""
+    unet = tiny_sd15_unet()
+    patch_model(unet)
+    unet.conv_act.register_forward_hook(lambda module, args, output: None)
+    before = snapshot(unet)
+    with pytest.raises(ValueError, match=r"conv_act: the stand-in for the fused activation has hooks"):
+        unpatch_model(unet)
+    assert_unchanged(unet, before)
+
+
 def test_channels_last_off():
     unet = tiny_sd15_unet()
     report = patch_model(unet, channels_last=False)
     assert report.channels_last == 0 and report.counts
     assert all(m.weight.is_contiguous() for m in unet.modules() if isinstance(m, nn.Conv2d))
+
+
+def test_channels_last_activations_mode_outputs_match_stock_and_flow_nhwc():
+    """channels_last="activations" (for FSDP2): every parameter keeps its layout, the inputs become channels_last
+    at the root, so activations flow NHWC; unpatch removes the hook."""
+    stock = tiny_sd15_unet()
+    inputs = sd15_unet_inputs()
+    patched, report = patched_matches(stock, lambda m: m(**inputs).sample, channels_last="activations")
+    assert report.channels_last == 0 and report.channels_last_inputs == [""] and "<root>" in str(report)
+    assert all(p.is_contiguous() for p in patched.parameters())
+    with torch.no_grad():
+        expected = stock(**inputs).sample
+        assert is_channels_last(patched(**inputs).sample) and not is_channels_last(expected)
+    assert patch_model(patched, channels_last="activations").channels_last_inputs == []  # one hook, not two
+    assert unpatch_model(patched) == 21
+    assert not patched._forward_pre_hooks and not patched._forward_pre_hooks_with_kwargs
+    with torch.no_grad():
+        assert torch.equal(patched(**inputs).sample, expected)
+
+
+def test_channels_last_activations_mode_reaches_the_autoencoder_decode():
+    """Pipelines call vae.decode(), which calls vae.decoder without vae.forward: the decoder gets the hook too."""
+    stock = tiny_vae()
+    latents = randn(1, 4, 8, 8)
+    patched, report = patched_matches(stock, lambda m: m.decode(latents).sample, channels_last="activations")
+    assert report.channels_last_inputs == ["", "encoder", "decoder"]
+    seen = []
+    patched.decoder.conv_in.register_forward_pre_hook(lambda module, args: seen.append(is_channels_last(args[0])))
+    with torch.no_grad():
+        patched.decode(latents)
+    assert seen == [True]
+
+
+@pytest.mark.parametrize("value", ["weights", "True", 1, None])
+def test_channels_last_must_be_a_known_mode(value):
+    unet = tiny_sd15_unet()
+    state = copy.deepcopy(unet.state_dict())
+    with pytest.raises(ValueError, match="channels_last must be True"):
+        patch_model(unet, channels_last=value)
+    assert all(type(m) is not GroupNormAct for m in unet.modules())
+    assert all(torch.equal(v, state[k]) and v.is_contiguous() for k, v in unet.state_dict().items())
+
+
+@pytest.mark.parametrize("function", ["patch_model", "unpatch_model", "patch_pipeline", "unpatch_pipeline"])
+@pytest.mark.parametrize("value", [None, [nn.Conv2d(4, 4, 1)]], ids=["None", "list"])
+def test_the_surgeon_refuses_what_is_not_a_module(function, value):
+    import gn_patch
+    argument = "pipe" if "pipeline" in function else "model"
+    with pytest.raises(TypeError, match=rf"{function}: {argument} must be"):
+        getattr(gn_patch, function)(value)
 
 
 def test_deepcopy_and_pickle_of_a_patched_model():
@@ -551,6 +666,9 @@ def test_report_merge():
     assert merged.already_patched == [("vae.n", "k")]
     assert merged.skipped == [("vae.x", "why"), ("vae", "root")]
     assert merged.channels_last == 5
+    c = PatchReport(layout_kept=[("conv_in.weight", "a DTensor")], channels_last_inputs=["", "decoder"])
+    assert a.merge(c, prefix="vae").layout_kept == [("vae.conv_in.weight", "a DTensor")]
+    assert a.merge(c, prefix="vae").channels_last_inputs == ["vae", "vae.decoder"]
     assert merged.counts == {"conv_norm_out+conv_act": 1, "ResnetBlock2D.norm1+act": 1}
     assert a.patched == [("conv_norm_out", "conv_norm_out+conv_act")]  # merge returns a new report
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import sys
 import types
 from collections import Counter
 from collections.abc import Callable
@@ -102,11 +103,77 @@ def stands_in_for(original: type, added_state: tuple[str, ...] = ()) -> Callable
     return register
 
 
+# ------------------------------------------------------------------------------------------------
+# PyTorch's wrapper classes: dynamic subclasses a wrapper gives a module in place, after patch_model
+# ------------------------------------------------------------------------------------------------
+# (module, mixin class, cache attribute) of the wrappers that make one subclass per class and keep it in a cache
+# (wrapped class -> wrapper class): FSDP2's fully_shard (``FSDP<Class>``, bases (FSDPModule, Class)) and replicate.
+_CACHED_WRAPPERS = (("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "cls_to_fsdp_cls"),
+                    ("torch.distributed._composable.replicate_with_fsdp", "ReplicateModule", "cls_to_replicate_cls"))
+
+
+def _wrapper_caches() -> dict[type, dict[type, type]]:
+    """Mixin class -> cache of the _CACHED_WRAPPERS loaded (a wrapper not imported has wrapped nothing). A torch
+    that renamed them leaves its wrapper classes unknown: unpatch_model then refuses them rather than guess."""
+    caches = {}
+    for module_name, mixin, cache in _CACHED_WRAPPERS:
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(getattr(module, cache, None), dict) and hasattr(module, mixin):
+            caches[getattr(module, mixin)] = getattr(module, cache)
+    return caches
+
+
+def _is_parametrized_class(cls: type) -> bool:
+    """``cls`` is the ``Parametrized<Class>`` subclass torch.nn.utils.parametrize gives a module (one per module;
+    removing the last parametrization switches back to its only base)."""
+    getstate = vars(cls).get("__getstate__")
+    return (len(cls.__bases__) == 1 and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}"
+            and getattr(getstate, "__module__", None) == "torch.nn.utils.parametrize")
+
+
+def wrapped_class(cls: type) -> type | None:
+    """The class that ``cls``, a wrapper class of FSDP2 (fully_shard, replicate) or of parametrize, wraps (its
+    last base); None when ``cls`` is no such wrapper class."""
+    *mixins, inner = cls.__bases__
+    if len(mixins) == 1 and _wrapper_caches().get(mixins[0], {}).get(inner) is cls:
+        return inner
+    return inner if _is_parametrized_class(cls) else None
+
+
+def patched_class(cls: type) -> type | None:
+    """The patched class (see stands_in_for) ``cls`` is, or wraps through the wrapper classes of
+    :func:`wrapped_class`; None when it is neither."""
+    while cls not in ORIGINAL_CLASS:
+        cls = wrapped_class(cls)
+        if cls is None:
+            return None
+    return cls
+
+
+def rewrapped(cls: type, core: type) -> type:
+    """``cls`` with the class it wraps (through :func:`wrapped_class`'s wrappers) replaced by ``core``: the class
+    the same wrappers give a ``core`` instance (FSDP2's own class for ``core`` where it has one)."""
+    inner = wrapped_class(cls)
+    if inner is None:
+        return core
+    new_inner = rewrapped(inner, core)
+    cache = _wrapper_caches().get(cls.__bases__[0]) if len(cls.__bases__) == 2 else None
+    if cache is not None and new_inner in cache:
+        return cache[new_inner]
+    namespace = {key: value for key, value in vars(cls).items() if key not in ("__dict__", "__weakref__")}
+    name = cls.__name__.removesuffix(inner.__name__) + new_inner.__name__
+    new = type(name, (*cls.__bases__[:-1], new_inner), namespace)
+    if cache is not None:
+        cache[new_inner] = new
+    return new
+
+
 def restore(module: nn.Module) -> None:
-    """Switch a patched module back to its original class (see stands_in_for)."""
-    cls = type(module)
-    set_class(module, ORIGINAL_CLASS[cls])
-    for attr in ADDED_STATE[cls]:
+    """Switch a patched module back to its original class (see stands_in_for), under the wrapper classes FSDP2
+    or parametrize gave it after patching (they then wrap the original class, as they would have without gn_patch)."""
+    patched = patched_class(type(module))
+    set_class(module, rewrapped(type(module), ORIGINAL_CLASS[patched]))
+    for attr in ADDED_STATE[patched]:
         module.__dict__.pop(attr, None)
 
 

@@ -29,7 +29,8 @@ from .modules import GroupNormAct
 from .report import PatchReport, join_name
 from .rules import ORIGINAL_CLASS, RULES
 from .rules.base import (ADDED_STATE, VERSION_SKIP, FusedActivation, StockLayoutGroupNorm, Surgery,
-                         forward_override_problem, fuse_norm, has_output_hooks, patched_class, restore)
+                         forward_override_problem, fuse_norm, has_output_hooks, patched_class, restore,
+                         wrapped_class)
 
 __all__ = ["PatchReport", "patch_model", "unpatch_model"]
 
@@ -76,6 +77,9 @@ def _unknown_use(model: nn.Module, name: str) -> str:
     if not name:
         return "the surgeon does not know what follows this GroupNorm"
     parent = model.get_submodule(name.rpartition(".")[0])
+    if wrapped_class(type(parent)) is not None:
+        return (f"{type(parent).__name__} is a wrapper class (FSDP2's fully_shard, parametrize) the rules do not "
+                "match: patch_model before wrapping to fuse it")
     return f"the surgeon does not know what follows this GroupNorm in {type(parent).__name__}"
 
 

@@ -175,6 +175,11 @@ def test_patch_after_fully_shard_leaves_the_dtensors_alone(gloo_group):
     assert report.channels_last == 0 and len(report.layout_kept) == len(conv_weights)
     assert all("DTensor" in reason and "channels_last='activations'" in reason for _, reason in report.layout_kept)
     assert "conv weights whose layout is kept" in str(report)
+    # The resnets inside the sharded blocks fuse; the root's own pair is behind its FSDP<Class>.
+    assert report.counts["ResnetBlock2D.norm1+act"] == 8
+    assert report.alone == [("conv_norm_out", "FSDPUNet2DConditionModel is a wrapper class (FSDP2's fully_shard, "
+                                              "parametrize) the rules do not match: patch_model before wrapping to "
+                                              "fuse it")]
     with torch.no_grad():
         expected = stock(**inputs).sample
         assert_same_outputs(sharded(**inputs).sample, expected)

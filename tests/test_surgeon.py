@@ -747,6 +747,30 @@ def test_half_precision_accuracy_cuda(case, dtype, exact_fp32_reference):
         assert patched_error <= 1.5 * stock_error + 1e-3, (patched_error, stock_error)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["sd15_unet", "sd_vae_decode"])
+def test_channels_last_activations_mode_runs_the_kernels_cuda(case):
+    """channels_last="activations" (FSDP2) keeps every weight contiguous: the channels_last inputs alone must make
+    cuDNN return NHWC (vae.decode through the decoder's hook), so every fused norm the forward runs takes the
+    kernel, and outputs match the default mode's."""
+    cls, config, run, prefix = GPU_CASES[case]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        weights_mode = perturb_(cls(**config)).half()
+    activations_mode = copy.deepcopy(weights_mode)
+    cast = _caster(torch.float16)
+    patch_model(weights_mode)
+    report = patch_model(activations_mode, channels_last="activations")
+    assert report.patched and all(p.is_contiguous() for p in activations_mode.parameters())
+    with torch.no_grad():
+        expected = outputs(run(weights_mode, cast))
+        with OpCounter() as counter:
+            actual = outputs(run(activations_mode, cast))
+    assert counter.calls["gn_patch::group_norm_act"] == sum(name.startswith(prefix) for name, _ in report.patched)
+    for a, e in zip(actual, expected):
+        assert torch.isfinite(a).all() and rel_l2(a, e) <= 1e-3, rel_l2(a, e)
+
+
 # ------------------------------------------------------------------------------------------------
 # Layout flow: with channels_last, every fused GroupNorm must receive an input the kernels read
 # ------------------------------------------------------------------------------------------------
@@ -758,13 +782,15 @@ LAYOUT_CASES = {
 }
 
 
+@pytest.mark.parametrize("channels_last", [True, "activations"])
 @pytest.mark.parametrize("case", LAYOUT_CASES)
-def test_every_fused_group_norm_sees_channels_last_input(case):
+def test_every_fused_group_norm_sees_channels_last_input(case, channels_last):
     """An NCHW input would send a GroupNormAct to PyTorch's path on CUDA (exact, but no kernel and two layout
-    conversions). Transformer2DModel's NCHW .contiguous() output was such a leak."""
+    conversions). Transformer2DModel's NCHW .contiguous() output was such a leak. With channels_last="activations"
+    the weights stay contiguous: the channels_last inputs alone must carry the layout through."""
     build, run = LAYOUT_CASES[case]
     model = build()
-    patch_model(model)
+    patch_model(model, channels_last=channels_last)
     seen = {}
 
     def record(module, args):

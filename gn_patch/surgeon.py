@@ -6,12 +6,15 @@ module class, for the 39 diffusers model classes holding a GroupNorm and their b
 become GroupNormActs that apply the activation after them, and the per-sample scale/shift before it where the
 block has one; the block gets a subclass whose forward is its own diffusers code with those calls merged (or, at
 the top level of a model, the activation module a stand-in). Every GroupNorm no rule fuses becomes the identity
-GroupNormAct with PyTorch's output layout: always exact. Conv weights become channels-last.
+GroupNormAct with PyTorch's output layout: always exact. Conv weights become channels-last, or (for FSDP2, which
+refuses non-contiguous parameters) the model's inputs do, in a forward pre-hook at its root.
 
 Everything is done in place and is undone by :func:`unpatch_model`: a GroupNorm becomes a GroupNormAct by switching
 the instance's class (the module object, its Parameters, hooks and state_dict keys stay the same), a bypassed
-activation module is swapped for an identity placeholder that keeps the original. The :class:`PatchReport` lists
-what was fused, what runs alone and why, and what stays as it is and why.
+activation module is swapped for an identity placeholder that keeps the original. Wrapper classes that FSDP2 or
+parametrize give a patched module afterwards are rebuilt around the original class; anything unpatch_model cannot
+restore exactly is refused before it changes anything. The :class:`PatchReport` lists what was fused, what runs
+alone and why, and what stays as it is and why.
 
 Each rule that relies on diffusers code checks, at patch time, that the installed diffusers has that exact code
 (``gn_patch.rules.VERIFIED_SOURCES``, diffusers 0.42.1); with other code its GroupNorms run alone and the report
@@ -169,8 +172,10 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
 # Channels-last activations (channels_last="activations"): parameters keep their layout
 # ------------------------------------------------------------------------------------------------
 _INPUT_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
-# Children an autoencoder's encode()/decode() call without its forward: they get the input hook too.
-_ENTRY_CHILDREN = ("encoder", "decoder")
+# Children that get the input hook too: the first conv of models that reshape their input before it (video UNets
+# fold the frames into the batch), the encoder and decoder that an autoencoder's encode()/decode() call directly
+# (ConsistencyDecoderVAE's decoder is a UNet).
+_ENTRY_CHILDREN = ("conv_in", "encoder", "decoder", "decoder_unet")
 
 
 class ChannelsLastInputs:
@@ -244,11 +249,13 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
         channels_last: how 4-D activations come to flow NHWC through the network (what the CUDA kernels read).
             True: give the Conv2d/ConvTranspose2d weights the channels_last memory format (the fastest
             inference). ``"activations"``: leave every parameter as it is and make the model's 4-D tensor
-            arguments channels_last once, in a forward pre-hook on ``model`` (and on its ``encoder``/``decoder``
-            children, which autoencoders' encode()/decode() call directly); cuDNN picks its NHWC convolutions from
-            the input's layout. Needed for FSDP2's fully_shard, which refuses non-contiguous parameters. False:
-            neither. Parameters that are DTensors (patch_model after fully_shard) or other tensor subclasses are
-            never converted (``report.layout_kept``).
+            arguments channels_last once, in a forward pre-hook on ``model`` (and on its ``conv_in``, ``encoder``,
+            ``decoder`` children: video UNets reshape their input before conv_in, autoencoders' encode()/decode()
+            call their encoder/decoder directly); cuDNN picks its NHWC convolutions from the input's layout. An op
+            inside the model that returns NCHW (some video VAEs' resampling) ends the NHWC flow there: only
+            channels_last weights restore it. Needed for FSDP2's fully_shard, which refuses non-contiguous
+            parameters. False: neither. Parameters that are DTensors (patch_model after fully_shard) or other
+            tensor subclasses are never converted (``report.layout_kept``).
         channels_last_3d: the same for 5-D activations (NDHWC), with channels_last True: the
             Conv3d/ConvTranspose3d weights become channels_last_3d (cuDNN then runs its NDHWC convolutions;
             measure them with benchmarks/tools/conv3d_layout.py); with ``"activations"``: 5-D tensor arguments

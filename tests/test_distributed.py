@@ -157,7 +157,7 @@ def test_fsdp2_trains_a_unet_patched_with_channels_last_activations(gloo_group):
     inputs, probe = unet_inputs(config, 2, tokens=8), output_probe(config, 2)
     sharded = copy.deepcopy(stock)
     report = patch_model(sharded, channels_last="activations")
-    assert report.patched and report.channels_last == 0 and report.channels_last_inputs == [""]
+    assert report.patched and report.channels_last == 0 and report.channels_last_inputs == ["", "conv_in"]
     shard_blocks(sharded)
     assert isinstance(sharded.conv_in.weight.data, DTensor)
 

@@ -458,14 +458,18 @@ def test_channels_last_activations_mode_outputs_match_stock_and_flow_nhwc():
     stock = tiny_sd15_unet()
     inputs = sd15_unet_inputs()
     patched, report = patched_matches(stock, lambda m: m(**inputs).sample, channels_last="activations")
-    assert report.channels_last == 0 and report.channels_last_inputs == [""] and "<root>" in str(report)
+    assert report.channels_last == 0 and report.channels_last_inputs == ["", "conv_in"] and "<root>" in str(report)
     assert all(p.is_contiguous() for p in patched.parameters())
     with torch.no_grad():
         expected = stock(**inputs).sample
         assert is_channels_last(patched(**inputs).sample) and not is_channels_last(expected)
     assert patch_model(patched, channels_last="activations").channels_last_inputs == []  # one hook, not two
+    for clone in (copy.deepcopy(patched), pickle.loads(pickle.dumps(patched))):  # the hook travels with the model
+        with torch.no_grad():
+            assert torch.equal(clone(**inputs).sample, patched(**inputs).sample)
+        assert is_channels_last(clone(**inputs).sample)
     assert unpatch_model(patched) == 21
-    assert not patched._forward_pre_hooks and not patched._forward_pre_hooks_with_kwargs
+    assert not any(m._forward_pre_hooks or m._forward_pre_hooks_with_kwargs for m in patched.modules())
     with torch.no_grad():
         assert torch.equal(patched(**inputs).sample, expected)
 

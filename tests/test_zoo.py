@@ -72,12 +72,28 @@ def _layout_checked(name: str) -> bool:
     return not {name, name.partition("-")[0]} & (NOT_LAYOUT_CASES | set(LAYOUT_GAPS))
 
 
-@pytest.mark.parametrize("name", [n for n in ZOO if _layout_checked(n)])
-def test_zoo_model_runs_channels_last(name):
-    """With cuDNN's convolution layouts (CudnnConv3dLayout), every fused norm gets channels-last input."""
+# Models in which an op returns NCHW activations (resampling through reshapes or 5-D interpolation): with
+# channels_last="activations" the norms after it get NCHW input (PyTorch's path on CUDA, exact); only channels_last
+# conv weights bring the layout back after it.
+ACTIVATIONS_LAYOUT_GAPS = {"AutoencoderKLCogVideoX", "AutoencoderKLHunyuanVideo", "AutoencoderKLMagvit",
+                           "LTXLatentUpsamplerModel", "LTX2LatentUpsamplerModel"}
+
+
+def _layout_cases():
+    for name in filter(_layout_checked, ZOO):
+        yield pytest.param(name, True, id=f"{name}-weights")
+        gap = pytest.mark.xfail(strict=True, reason="NCHW after an op inside; see ACTIVATIONS_LAYOUT_GAPS")
+        yield pytest.param(name, "activations", id=f"{name}-activations",
+                           marks=gap if name in ACTIVATIONS_LAYOUT_GAPS else ())
+
+
+@pytest.mark.parametrize("name,channels_last", _layout_cases())
+def test_zoo_model_runs_channels_last(name, channels_last):
+    """With cuDNN's convolution layouts (CudnnConv3dLayout), every fused norm gets channels-last input: from the
+    channels_last conv weights, or (channels_last="activations", for FSDP2) from the inputs alone."""
     case = ZOO[name]
     model = case.build()
-    patch_model(model)
+    patch_model(model, channels_last=channels_last)
     names = {module: name for name, module in model.named_modules()}
     layouts = {}
 

@@ -151,11 +151,12 @@ def patched_class(cls: type) -> type | None:
 
 
 def rewrapped(cls: type, core: type) -> type:
-    """``cls`` with the class it wraps (through :func:`wrapped_class`'s wrappers) replaced by ``core``: the class
-    the same wrappers give a ``core`` instance (FSDP2's own class for ``core`` where it has one)."""
-    inner = wrapped_class(cls)
-    if inner is None:
+    """``cls``, a patched class or a wrapper class of one (:func:`patched_class` is not None), with that patched
+    class replaced by ``core``: the class the same wrappers give a ``core`` instance (FSDP2's own class for ``core``
+    where it has one)."""
+    if cls in ORIGINAL_CLASS:
         return core
+    inner = wrapped_class(cls)
     new_inner = rewrapped(inner, core)
     cache = _wrapper_caches().get(cls.__bases__[0]) if len(cls.__bases__) == 2 else None
     if cache is not None and new_inner in cache:

@@ -210,3 +210,36 @@ def test_unpatch_under_fully_shard_wrappers_restores_stock(gloo_group):
         assert_same_outputs(patched(**inputs).sample, expected, tol=1e-6)
     assert unpatch_model(patched) == 0
 
+
+
+def test_unpatch_under_fully_shard_of_a_parametrized_norm_restores_stock(gloo_group):
+    """Wrappers nest: fully_shard on a parametrized fused norm gives FSDP<Parametrized<GroupNormAct>>; unpatch
+    leaves FSDP<Parametrized<GroupNorm>> with its parametrization, as wrapping the stock norm does."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return 2 * weight
+
+    def wrap(unet):
+        block = unet.down_blocks[0].resnets[0]
+        parametrize.register_parametrization(block.norm1, "weight", Double())
+        fully_shard(block.norm1)
+        fully_shard(block)
+        return fully_shard(unet)
+
+    inputs = sd15_unet_inputs()
+    stock = wrap(tiny_sd15_unet())
+    patched = tiny_sd15_unet()
+    patch_model(patched, channels_last="activations")
+    wrap(patched)
+    assert unpatch_model(patched) == 21
+
+    def class_names(model):  # a parametrized module's class is made for it alone: compare the classes by name
+        return {name: [cls.__name__ for cls in type(module).__mro__] for name, module in model.named_modules()}
+
+    assert class_names(patched) == class_names(stock)
+    assert class_names(patched)["down_blocks.0.resnets.0.norm1"][:4] == ["FSDPParametrizedGroupNorm", "FSDPModule",
+                                                                         "ParametrizedGroupNorm", "GroupNorm"]
+    with torch.no_grad():
+        assert_same_outputs(patched(**inputs).sample, stock(**inputs).sample, tol=1e-6)

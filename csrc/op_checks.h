@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <cctype>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -34,15 +36,30 @@ inline std::string shape_str(c10::SymIntArrayRef sizes) {
   return s + "]";
 }
 
-inline Act parse_activation(std::string_view name) {
-  if (name == "identity") return Act::kIdentity;
-  if (name == "silu") return Act::kSilu;
+// Activation names as gn_patch.canonical_activation takes them: case-insensitive, with the aliases swish (silu) and
+// none (identity); the message is the Python function's.
+inline Act parse_activation(std::string_view given) {
+  std::string name(given);
+  for (char& c : name) c = (char)std::tolower((unsigned char)c);
+  if (name == "identity" || name == "none") return Act::kIdentity;
+  if (name == "silu" || name == "swish") return Act::kSilu;
   if (name == "gelu") return Act::kGelu;
   if (name == "gelu_tanh") return Act::kGeluTanh;
   if (name == "relu") return Act::kRelu;
   if (name == "mish") return Act::kMish;
-  TORCH_CHECK_VALUE(false, "activation: unknown activation '" + std::string(name) +
-                               "'; expected one of gelu, gelu_tanh, identity, mish, relu, silu");
+  TORCH_CHECK_VALUE(false, "activation: unknown activation '" + std::string(given) +
+                               "'; expected one of gelu, gelu_tanh, identity, mish, relu, silu, swish or None "
+                               "(case-insensitive)");
+}
+
+// num_groups and eps as torch.nn.GroupNorm needs them (it has no message of its own for these).
+inline void check_num_groups(int64_t num_groups) {
+  TORCH_CHECK_VALUE(num_groups > 0, "gn_patch: num_groups must be positive, got " + std::to_string(num_groups));
+}
+
+inline void check_eps(double eps) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
+                    "gn_patch: eps must be a finite number >= 0, got " + std::to_string(eps));
 }
 
 inline bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -106,7 +123,7 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
               "gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
   scalar_kind(x);
   const int64_t N = x.size(0), C = x.size(1);
-  TORCH_CHECK(num_groups > 0, "gn_patch: num_groups must be positive, got " + std::to_string(num_groups));
+  check_num_groups(num_groups);
   TORCH_CHECK(C % num_groups == 0,
               "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
                   shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));

@@ -24,22 +24,30 @@ ROOT = Path(__file__).resolve().parent.parent
 GROUPS = 8
 
 
-def _randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+def _randn(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
-# (N, C, *spatial) inputs of 16 or 32 channels whose strides PyTorch treats in different ways.
+# (N, C, *spatial) inputs of 16 or 32 channels whose strides PyTorch treats in different ways: the shape of a
+# contiguous tensor and the view of it.
+CHANNELS_LAST = lambda t: t.to(memory_format=torch.channels_last)
 LAYOUTS = {
-    "issue_permuted": lambda dt: _randn(16, 16, 32, dtype=dt).permute(2, 0, 1).unsqueeze(0),  # strides (32, 1, ...)
-    "channels_last": lambda dt: _randn(2, 16, 5, 4, dtype=dt).to(memory_format=torch.channels_last),
-    "channels_last_3d": lambda dt: _randn(2, 16, 3, 4, 2, dtype=dt).to(memory_format=torch.channels_last_3d),
-    "channels_last_channel_slice": lambda dt: _randn(2, 32, 4, 4, dtype=dt).to(memory_format=torch.channels_last)[
-        :, 8:24],
-    "non_dense": lambda dt: _randn(2, 16, 10, 6, dtype=dt)[:, :, ::2, 1:],
-    "expanded": lambda dt: _randn(1, 16, 1, 5, dtype=dt).expand(3, 16, 4, 5),
-    "rank3_transposed": lambda dt: _randn(2, 7, 16, dtype=dt).transpose(1, 2),
-    "rank5_permuted": lambda dt: _randn(2, 3, 4, 5, 16, dtype=dt).permute(0, 4, 2, 1, 3),
+    "issue_permuted": ((16, 16, 32), lambda t: t.permute(2, 0, 1).unsqueeze(0)),  # strides (32, 1, 512, 32)
+    "channels_last": ((2, 16, 5, 4), CHANNELS_LAST),
+    "channels_last_3d": ((2, 16, 3, 4, 2), lambda t: t.to(memory_format=torch.channels_last_3d)),
+    "channels_last_channel_slice": ((2, 32, 4, 4), lambda t: CHANNELS_LAST(t)[:, 8:24]),
+    "non_dense": ((2, 16, 10, 6), lambda t: t[:, :, ::2, 1:]),
+    "expanded": ((1, 16, 1, 5), lambda t: t.expand(3, 16, 4, 5)),
+    "rank3_transposed": ((2, 7, 16), lambda t: t.transpose(1, 2)),
+    "rank5_permuted": ((2, 3, 4, 5, 16), lambda t: t.permute(0, 4, 2, 1, 3)),
 }
+
+
+def make_input(layout, dtype, device="cpu"):
+    shape, view = LAYOUTS[layout]
+    return view(_randn(*shape, dtype=dtype, device=device))
+
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 AFFINE = ["none", "weight_bias", "weight", "bias"]
 
@@ -72,7 +80,7 @@ def _assert_pytorchs(y, expected, what=""):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_function_returns_pytorchs_result_and_layout(layout, dtype, affine, host_path):
-    x = LAYOUTS[layout](dtype)
+    x = make_input(layout, dtype)
     weight, bias = _params(x.shape[1], dtype, affine)
     _assert_pytorchs(gn_patch.group_norm_act(x, GROUPS, weight, bias), _stock(x, weight, bias), layout)
 
@@ -80,7 +88,7 @@ def test_function_returns_pytorchs_result_and_layout(layout, dtype, affine, host
 @pytest.mark.parametrize("activation", ["gelu", "mish", "identity"])
 @pytest.mark.parametrize("layout", ["issue_permuted", "channels_last", "non_dense"])
 def test_modulated_result_and_layout(layout, activation, host_path):
-    x = LAYOUTS[layout](torch.float32)
+    x = make_input(layout, torch.float32)
     n, c = x.shape[:2]
     scale, shift = 0.5 * _randn(n, c, seed=3), _randn(n, c, seed=4)
     y = gn_patch.group_norm_act(x, GROUPS, activation=activation, scale=scale, shift=shift)
@@ -90,7 +98,7 @@ def test_modulated_result_and_layout(layout, activation, host_path):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_module_returns_pytorchs_result_and_layout(layout, host_path):
-    x = LAYOUTS[layout](torch.float32)
+    x = make_input(layout, torch.float32)
     stock = torch.nn.GroupNorm(GROUPS, x.shape[1])
     with torch.no_grad():
         stock.weight.copy_(_params(x.shape[1], torch.float32, "weight")[0])
@@ -103,7 +111,7 @@ def test_module_returns_pytorchs_result_and_layout(layout, host_path):
 def test_traced_layout_is_the_real_one(layout, host_path):
     """Fake tensors (what torch.compile and torch.export trace with) get the layout the real call returns; PyTorch's
     own fake group_norm returns NCHW for channels-last CPU input (torch 2.14), where the CPU kernel keeps it."""
-    x = LAYOUTS[layout](torch.float32)
+    x = make_input(layout, torch.float32)
     real = gn_patch.group_norm_act(x, GROUPS)
     with FakeTensorMode() as mode:
         fake = gn_patch.group_norm_act(mode.from_tensor(x), GROUPS)
@@ -112,7 +120,7 @@ def test_traced_layout_is_the_real_one(layout, host_path):
 
 @pytest.mark.parametrize("layout", ["channels_last", "channels_last_3d", "issue_permuted"])
 def test_compiled_result_and_layout(layout, host_path):
-    x = LAYOUTS[layout](torch.float32)
+    x = make_input(layout, torch.float32)
     weight, bias = _params(x.shape[1], torch.float32, "weight_bias")
     compiled = torch.compile(lambda t: gn_patch.group_norm_act(t, GROUPS, weight, bias), backend="aot_eager",
                              fullgraph=True)
@@ -153,7 +161,7 @@ class FaultyBackwardCalls(TorchDispatchMode):
 def test_norm_only_training_on_channels_last_input(layout, affine, host_path):
     """The input needs no gradient, the parameters do (the first norm of a model fine-tuned norms-only): computed
     as from an NCHW copy (PyTorch's NCHW values and gradients) in PyTorch's channels-last layout."""
-    x = LAYOUTS[layout](torch.float32)
+    x = make_input(layout, torch.float32)
     params = [p.requires_grad_(True) if p is not None else None for p in _params(x.shape[1], torch.float32, affine)]
     with FaultyBackwardCalls() as faulty:
         y = gn_patch.group_norm_act(x, GROUPS, *params)
@@ -172,7 +180,7 @@ def test_norm_only_training_on_channels_last_input(layout, affine, host_path):
 @pytest.mark.parametrize("x_needs_grad", [False, True])
 @pytest.mark.parametrize("layout", ["channels_last", "non_dense"])
 def test_bias_without_weight_trains(layout, x_needs_grad, host_path):
-    x = LAYOUTS[layout](torch.float32).detach().requires_grad_(x_needs_grad)
+    x = make_input(layout, torch.float32).detach().requires_grad_(x_needs_grad)
     bias = _params(x.shape[1], torch.float32, "bias")[1].requires_grad_(True)
     with FaultyBackwardCalls() as faulty:
         gn_patch.group_norm_act(x, GROUPS, None, bias).square().sum().backward()

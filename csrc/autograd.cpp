@@ -83,8 +83,8 @@ bool needs_grad(const OptTensor& t) { return t.has_value() && t->requires_grad()
 // channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have a device" for
 // a bias without a weight. The first runs from an NCHW-contiguous copy (NCHW kernel's values, PyTorch's layout),
 // the second with a weight of ones (the same values). Outside these cases: PyTorch's own call.
-at::Tensor cpu_safe_group_norm(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
-                               double eps) {
+at::Tensor cpu_safe_group_norm(const at::Tensor& x, int64_t num_groups, const OptTensor& weight,
+                               const OptTensor& bias, double eps) {
   const bool cpu_training = x.is_cpu() && at::GradMode::is_enabled();
   const OptTensor w = cpu_training && !weight.has_value() && needs_grad(bias) ? OptTensor(at::ones_like(*bias)) : weight;
   const bool crashing_backward = cpu_training && !x.requires_grad() && (needs_grad(weight) || needs_grad(bias)) &&

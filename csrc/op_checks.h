@@ -118,16 +118,17 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale,
                          const std::optional<at::Tensor>& shift, int64_t num_groups) {
   TORCH_CHECK(x.is_cuda(), "gn_patch CUDA kernel: expected a CUDA input, got device " + x.device().str());
-  TORCH_CHECK_TYPE(x.is_floating_point(), "gn_patch: expected a floating-point input, got " + dtype_str(x.scalar_type()));
-  TORCH_CHECK(x.dim() >= 2 && x.dim() <= 5,
-              "gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
+  TORCH_CHECK_TYPE(x.is_floating_point(),
+                   "gn_patch: x must be a floating-point tensor, got " + dtype_str(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5,
+                    "gn_patch: x must be a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
   scalar_kind(x);
   const int64_t N = x.size(0), C = x.size(1);
   check_num_groups(num_groups);
   TORCH_CHECK(C % num_groups == 0,
               "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
                   shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));
-  TORCH_CHECK(x.numel() > 0 || N == 0, "gn_patch: empty spatial size in input of shape " + shape_str(x.sizes()));
+  TORCH_CHECK_VALUE(x.numel() > 0 || N == 0, "gn_patch: empty spatial size in x of shape " + shape_str(x.sizes()));
   for (const auto* p : {&weight, &bias}) {
     if (!p->has_value()) continue;
     const at::Tensor& t = **p;
@@ -167,14 +168,14 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
 
 inline void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
                                   const at::Tensor& rstd, int64_t num_groups) {
-  TORCH_CHECK(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type() &&
-                  grad_out.device() == x.device(),
-              "gn_patch: grad_out must match the input's shape, dtype and device");
+  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type() &&
+                        grad_out.device() == x.device(),
+                    "gn_patch: grad_out must match the input's shape, dtype and device");
   const int64_t N = x.size(0);
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.dim() == 2 &&
-                  rstd.dim() == 2 && mean.size(0) == N && mean.size(1) == num_groups && rstd.size(0) == N &&
-                  rstd.size(1) == num_groups,
-              "gn_patch: mean and rstd must be float32 of shape (N, num_groups)");
+  TORCH_CHECK_VALUE(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.dim() == 2 &&
+                        rstd.dim() == 2 && mean.size(0) == N && mean.size(1) == num_groups && rstd.size(0) == N &&
+                        rstd.size(1) == num_groups,
+                    "gn_patch: mean and rstd must be float32 of shape (N, num_groups)");
 }
 
 }  // namespace gn_patch

@@ -108,16 +108,16 @@ def _sample_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _check_inputs(x, weight, bias, scale, shift, num_groups, activation):
     """Raise what the CUDA op raises: torch.nn.GroupNorm's RuntimeErrors where it has one, TypeError for dtypes,
     ValueError for num_groups, the activation and the modulation's shape."""
-    torch._check_type(x.dtype.is_floating_point, lambda: f"gn_patch: expected a floating-point input, got {x.dtype}")
-    torch._check(2 <= x.dim() <= 5, lambda: f"gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape "
-                                            f"{list(x.shape)}")
+    torch._check_type(x.dtype.is_floating_point, lambda: f"gn_patch: x must be a floating-point tensor, got {x.dtype}")
+    torch._check_value(2 <= x.dim() <= 5, lambda: f"gn_patch: x must be a 2-D to 5-D input (N, C, *spatial), got "
+                                                  f"shape {list(x.shape)}")
     check_num_groups(num_groups)
     torch._check(x.shape[1] % num_groups == 0,
                  lambda: "Expected number of channels in input to be divisible by num_groups, but got input of shape "
                          f"{list(x.shape)} and num_groups={num_groups}")
     canonical_activation(activation)
-    torch._check(x.numel() != 0 or x.shape[0] == 0,
-                 lambda: f"gn_patch: empty spatial size in input of shape {list(x.shape)}")
+    torch._check_value(x.numel() != 0 or x.shape[0] == 0,
+                       lambda: f"gn_patch: empty spatial size in x of shape {list(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
         if p is not None:
             _check_param(x, name, p)
@@ -144,13 +144,13 @@ def _check_param(x, name, p):
 
 
 def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
-    torch._check(grad_out.shape == x.shape and grad_out.dtype == x.dtype,
-                 lambda: "gn_patch: grad_out must match the input's shape, dtype and device")
+    torch._check_value(grad_out.shape == x.shape and grad_out.dtype == x.dtype,
+                       lambda: "gn_patch: grad_out must match the input's shape, dtype and device")
     for t in (mean, rstd):
-        torch._check(t.shape == (x.shape[0], num_groups) and t.dtype == _stats_dtype(x),
-                     lambda: f"gn_patch: mean and rstd must be {_stats_dtype(x)} of shape (N, num_groups)")
-    torch._check(len(output_mask) == 5, lambda: "gn_patch: output_mask must have 5 entries (x, weight, bias, scale, "
-                                                "shift)")
+        torch._check_value(t.shape == (x.shape[0], num_groups) and t.dtype == _stats_dtype(x),
+                           lambda: f"gn_patch: mean and rstd must be {_stats_dtype(x)} of shape (N, num_groups)")
+    torch._check_value(len(output_mask) == 5, lambda: "gn_patch: output_mask must have 5 entries (x, weight, bias, "
+                                                      "scale, shift)")
 
 
 # ------------------------------------------------------------------------------------------------

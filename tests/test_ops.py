@@ -309,8 +309,8 @@ def test_compile_fullgraph_forward_backward(dynamic, ext):
      "eps must be a finite number >= 0"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 4, 1e-5, "tanh"), ValueError,
      "unknown activation 'tanh'"),
-    (lambda: OP(torch.randn(8), None, None, None, None, 4, 1e-5, "silu"), RuntimeError, "2-D to 5-D"),
-    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+    (lambda: OP(torch.randn(8), None, None, None, None, 4, 1e-5, "silu"), ValueError, "x must be a 2-D to 5-D input"),
+    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), ValueError,
      "empty spatial size"),
     (lambda: OP(torch.randn(2, 8, 3, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), torch.zeros(8), None,
                 None, 4, 1e-5, "silu"), TypeError, "must have the same dtype"),
@@ -318,12 +318,12 @@ def test_compile_fullgraph_forward_backward(dynamic, ext):
      r"scale must have shape \(N, C\)"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, None, torch.ones(2, 8, dtype=torch.int32), 4, 1e-5, "silu"),
      TypeError, "shift must have the input's dtype"),
-    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, None, None, 4, 1e-5, "silu"), ValueError,
      "empty spatial size"),
     (lambda: OP(torch.empty(2, 8, 3, device="meta"), torch.ones(3, device="meta"), None, None, None, 4, 1e-5, "silu"),
      RuntimeError, "weight to be a vector"),
     (lambda: OP_BWD(torch.randn(2, 8, 3), torch.randn(2, 8, 3), None, None, None, None, torch.zeros(1, 4),
-                    torch.ones(1, 4), 4, "silu", ALL_GRADS), RuntimeError, "mean and rstd"),
+                    torch.ones(1, 4), 4, "silu", ALL_GRADS), ValueError, "mean and rstd"),
 ])
 def test_op_rejects_bad_input(call, error, match):
     with pytest.raises(error, match=match):

@@ -6,6 +6,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/group_norm.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/ones_like.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -75,12 +76,33 @@ void check_values_per_group(const at::Tensor& x, int64_t num_groups) {
                     "Expected more than 1 value per channel when training, got input size " + shape_str(x.sym_sizes()));
 }
 
+bool needs_grad(const OptTensor& t) { return t.has_value() && t->requires_grad(); }
+
+// at::group_norm, steered around two faults of PyTorch's CPU GroupNorm backward (torch 2.13): a SIGSEGV for
+// channels-last input when the input needs no gradient but the weight or bias does (norm-only fine-tuning of a
+// channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have a device" for
+// a bias without a weight. The first runs from an NCHW-contiguous copy (NCHW kernel's values, PyTorch's layout),
+// the second with a weight of ones (the same values). Outside these cases: PyTorch's own call.
+at::Tensor cpu_safe_group_norm(const at::Tensor& x, int64_t num_groups, const OptTensor& weight,
+                               const OptTensor& bias, double eps) {
+  const bool cpu_training = x.is_cpu() && at::GradMode::is_enabled();
+  const OptTensor w = cpu_training && !weight.has_value() && needs_grad(bias) ? OptTensor(at::ones_like(*bias)) : weight;
+  const bool crashing_backward = cpu_training && !x.requires_grad() && (needs_grad(weight) || needs_grad(bias)) &&
+                                 x.suggest_memory_format() != at::MemoryFormat::Contiguous;
+  const bool cudnn = at::globalContext().userEnabledCuDNN();
+  if (crashing_backward) return at::group_norm(x.contiguous(), num_groups, w, bias, eps, cudnn);
+  return at::group_norm(x, num_groups, w, bias, eps, cudnn);
+}
+
 // act(F.group_norm(x) * (1 + scale) + shift) with PyTorch's ops, as diffusers writes it (scale and shift already
-// broadcastable).
+// broadcastable). On the CPU, y has the layout PyTorch's CPU kernel gives it (x's suggested memory format), stated
+// here because the fake (meta) group_norm of torch 2.14 returns NCHW for channels-last input: torch.compile and
+// torch.export then trace the layout the real call returns.
 at::Tensor pytorch_path(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
                         double eps, Act act, const OptTensor& scale, const OptTensor& shift) {
   TORCH_CHECK(x.dim() >= 2, "Expected at least 2 dimensions for input tensor but received " + std::to_string(x.dim()));
-  at::Tensor y = at::group_norm(x, num_groups, weight, bias, eps, at::globalContext().userEnabledCuDNN());
+  at::Tensor y = cpu_safe_group_norm(x, num_groups, weight, bias, eps);
+  if (x.is_cpu()) y = y.contiguous(x.suggest_memory_format());
   if (scale.has_value()) y = at::mul(y, at::add(*scale, 1));
   if (shift.has_value()) y = at::add(y, *shift);
   return apply_activation(y, act);
@@ -202,7 +224,7 @@ bool channels_last_dense(const at::Tensor& x) {
 bool kernel_covers(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
                    const OptTensor& scale, const OptTensor& shift) {
   if (!(x.is_cuda() || (x.is_cpu() && cpu_emulates_kernels.load(std::memory_order_relaxed)))) return false;
-  if (!kernel_dtype(x.scalar_type()) || x.dim() < 2 || x.dim() > 5 || num_groups <= 0) return false;
+  if (!kernel_dtype(x.scalar_type()) || x.dim() < 2 || x.dim() > 5) return false;
   for (const auto& [a, b] : {std::pair{&weight, &bias}, std::pair{&scale, &shift}}) {
     const OptTensor& p = a->has_value() ? *a : *b;
     if (!p.has_value()) continue;
@@ -228,14 +250,16 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
                                    const OptTensor& bias, double eps, c10::string_view activation,
                                    const OptTensor& scale, const OptTensor& shift) {
   const Act act = parse_activation(activation);
+  check_num_groups(num_groups);
+  check_eps(eps);
+  TORCH_CHECK_TYPE(x.is_floating_point() || x.is_complex(),
+                   "gn_patch.group_norm_act: x must be a floating-point tensor, got " + dtype_str(x.scalar_type()));
   const OptTensor scale_b = broadcastable(scale, x, "scale"), shift_b = broadcastable(shift, x, "shift");
   check_values_per_group(x, num_groups);
   if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
     return std::get<0>(forward_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps,
                                          activation));
   }
-  TORCH_CHECK_TYPE(x.is_floating_point() || x.is_complex(),
-                   "gn_patch.group_norm_act: expected a floating-point input, got " + dtype_str(x.scalar_type()));
   return pytorch_path(x, num_groups, weight, bias, eps, act, scale_b, shift_b);
 }
 

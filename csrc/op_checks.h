@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <cctype>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -34,15 +36,30 @@ inline std::string shape_str(c10::SymIntArrayRef sizes) {
   return s + "]";
 }
 
-inline Act parse_activation(std::string_view name) {
-  if (name == "identity") return Act::kIdentity;
-  if (name == "silu") return Act::kSilu;
+// Activation names as gn_patch.canonical_activation takes them: case-insensitive, with the aliases swish (silu) and
+// none (identity); the message is the Python function's.
+inline Act parse_activation(std::string_view given) {
+  std::string name(given);
+  for (char& c : name) c = (char)std::tolower((unsigned char)c);
+  if (name == "identity" || name == "none") return Act::kIdentity;
+  if (name == "silu" || name == "swish") return Act::kSilu;
   if (name == "gelu") return Act::kGelu;
   if (name == "gelu_tanh") return Act::kGeluTanh;
   if (name == "relu") return Act::kRelu;
   if (name == "mish") return Act::kMish;
-  TORCH_CHECK_VALUE(false, "activation: unknown activation '" + std::string(name) +
-                               "'; expected one of gelu, gelu_tanh, identity, mish, relu, silu");
+  TORCH_CHECK_VALUE(false, "activation: unknown activation '" + std::string(given) +
+                               "'; expected one of gelu, gelu_tanh, identity, mish, relu, silu, swish or None "
+                               "(case-insensitive)");
+}
+
+// num_groups and eps as torch.nn.GroupNorm needs them (it has no message of its own for these).
+inline void check_num_groups(int64_t num_groups) {
+  TORCH_CHECK_VALUE(num_groups > 0, "gn_patch: num_groups must be positive, got " + std::to_string(num_groups));
+}
+
+inline void check_eps(double eps) {
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
+                    "gn_patch: eps must be a finite number >= 0, got " + std::to_string(eps));
 }
 
 inline bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -101,16 +118,17 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale,
                          const std::optional<at::Tensor>& shift, int64_t num_groups) {
   TORCH_CHECK(x.is_cuda(), "gn_patch CUDA kernel: expected a CUDA input, got device " + x.device().str());
-  TORCH_CHECK_TYPE(x.is_floating_point(), "gn_patch: expected a floating-point input, got " + dtype_str(x.scalar_type()));
-  TORCH_CHECK(x.dim() >= 2 && x.dim() <= 5,
-              "gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
+  TORCH_CHECK_TYPE(x.is_floating_point(),
+                   "gn_patch: x must be a floating-point tensor, got " + dtype_str(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.dim() <= 5,
+                    "gn_patch: x must be a 2-D to 5-D input (N, C, *spatial), got shape " + shape_str(x.sizes()));
   scalar_kind(x);
   const int64_t N = x.size(0), C = x.size(1);
-  TORCH_CHECK(num_groups > 0, "gn_patch: num_groups must be positive, got " + std::to_string(num_groups));
+  check_num_groups(num_groups);
   TORCH_CHECK(C % num_groups == 0,
               "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
                   shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));
-  TORCH_CHECK(x.numel() > 0 || N == 0, "gn_patch: empty spatial size in input of shape " + shape_str(x.sizes()));
+  TORCH_CHECK_VALUE(x.numel() > 0 || N == 0, "gn_patch: empty spatial size in x of shape " + shape_str(x.sizes()));
   for (const auto* p : {&weight, &bias}) {
     if (!p->has_value()) continue;
     const at::Tensor& t = **p;
@@ -150,14 +168,14 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
 
 inline void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
                                   const at::Tensor& rstd, int64_t num_groups) {
-  TORCH_CHECK(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type() &&
-                  grad_out.device() == x.device(),
-              "gn_patch: grad_out must match the input's shape, dtype and device");
+  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type() &&
+                        grad_out.device() == x.device(),
+                    "gn_patch: grad_out must match the input's shape, dtype and device");
   const int64_t N = x.size(0);
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.dim() == 2 &&
-                  rstd.dim() == 2 && mean.size(0) == N && mean.size(1) == num_groups && rstd.size(0) == N &&
-                  rstd.size(1) == num_groups,
-              "gn_patch: mean and rstd must be float32 of shape (N, num_groups)");
+  TORCH_CHECK_VALUE(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.dim() == 2 &&
+                        rstd.dim() == 2 && mean.size(0) == N && mean.size(1) == num_groups && rstd.size(0) == N &&
+                        rstd.size(1) == num_groups,
+                    "gn_patch: mean and rstd must be float32 of shape (N, num_groups)");
 }
 
 }  // namespace gn_patch

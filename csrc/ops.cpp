@@ -87,6 +87,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
     c10::string_view activation) {
   check_inputs(input, weight, bias, scale, shift, num_groups);
+  check_eps(eps);
   const Act act = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t N = input.size(0);

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import _group_norm_act, canonical_activation
+from .ops import _group_norm_act, canonical_activation, check_eps, check_num_groups
 
 __all__ = ["GroupNormAct"]
 
@@ -28,11 +28,15 @@ class GroupNormAct(nn.GroupNorm):
     (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)`` (see gn_patch.group_norm_act).
 
     Raises:
-        ValueError: num_channels not divisible by num_groups (from nn.GroupNorm), unknown activation.
+        TypeError: num_groups not an int, eps not a number.
+        ValueError: num_groups <= 0; num_channels not divisible by num_groups (nn.GroupNorm's message); eps
+            negative, infinite or NaN; unknown activation.
     """
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str | None = "silu", device=None, dtype=None) -> None:
+        check_num_groups(num_groups)  # before nn.GroupNorm's own check, which divides by it
+        check_eps(eps)
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
         self.activation = canonical_activation(activation)
 

@@ -18,8 +18,11 @@ function computes PyTorch's path in Python.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
 
 from . import extension
 
@@ -64,10 +67,27 @@ def canonical_activation(activation: str | None) -> str:
     """
     key = activation.lower() if isinstance(activation, str) else activation
     name = _ALIASES.get(key, key) if isinstance(key, (str, type(None))) else None
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation: unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}, "
+    if name not in ACTIVATIONS:  # the C++ ops' message (csrc/op_checks.h)
+        given = f"'{activation}'" if isinstance(activation, str) else repr(activation)
+        raise ValueError(f"activation: unknown activation {given}; expected one of {', '.join(sorted(ACTIVATIONS))}, "
                          "swish or None (case-insensitive)")
     return name
+
+
+def check_num_groups(num_groups) -> None:
+    """Raises TypeError unless num_groups is an int (not a bool), ValueError unless it is positive."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, (int, torch.SymInt)):
+        raise TypeError(f"gn_patch: num_groups must be an int, got {type(num_groups).__name__}")
+    if num_groups <= 0:
+        raise ValueError(f"gn_patch: num_groups must be positive, got {num_groups}")
+
+
+def check_eps(eps) -> None:
+    """Raises TypeError unless eps is a real number (not a bool), ValueError unless it is finite and >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
+        raise TypeError(f"gn_patch: eps must be a float, got {type(eps).__name__}")
+    if not (isinstance(eps, torch.SymFloat) or (math.isfinite(eps) and eps >= 0)):
+        raise ValueError(f"gn_patch: eps must be a finite number >= 0, got {eps}")
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -87,19 +107,17 @@ def _sample_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 def _check_inputs(x, weight, bias, scale, shift, num_groups, activation):
     """Raise what the CUDA op raises: torch.nn.GroupNorm's RuntimeErrors where it has one, TypeError for dtypes,
-    ValueError for the activation and the modulation's shape."""
-    torch._check_type(x.dtype.is_floating_point, lambda: f"gn_patch: expected a floating-point input, got {x.dtype}")
-    torch._check(2 <= x.dim() <= 5, lambda: f"gn_patch: expected a 2-D to 5-D input (N, C, *spatial), got shape "
-                                            f"{list(x.shape)}")
-    torch._check(num_groups > 0, lambda: f"gn_patch: num_groups must be positive, got {num_groups}")
+    ValueError for num_groups, the activation and the modulation's shape."""
+    torch._check_type(x.dtype.is_floating_point, lambda: f"gn_patch: x must be a floating-point tensor, got {x.dtype}")
+    torch._check_value(2 <= x.dim() <= 5, lambda: f"gn_patch: x must be a 2-D to 5-D input (N, C, *spatial), got "
+                                                  f"shape {list(x.shape)}")
+    check_num_groups(num_groups)
     torch._check(x.shape[1] % num_groups == 0,
                  lambda: "Expected number of channels in input to be divisible by num_groups, but got input of shape "
                          f"{list(x.shape)} and num_groups={num_groups}")
-    torch._check_value(activation in ACTIVATIONS,
-                       lambda: f"activation: unknown activation '{activation}'; expected one of "
-                               "gelu, gelu_tanh, identity, mish, relu, silu")
-    torch._check(x.numel() != 0 or x.shape[0] == 0,
-                 lambda: f"gn_patch: empty spatial size in input of shape {list(x.shape)}")
+    canonical_activation(activation)
+    torch._check_value(x.numel() != 0 or x.shape[0] == 0,
+                       lambda: f"gn_patch: empty spatial size in x of shape {list(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
         if p is not None:
             _check_param(x, name, p)
@@ -126,13 +144,13 @@ def _check_param(x, name, p):
 
 
 def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
-    torch._check(grad_out.shape == x.shape and grad_out.dtype == x.dtype,
-                 lambda: "gn_patch: grad_out must match the input's shape, dtype and device")
+    torch._check_value(grad_out.shape == x.shape and grad_out.dtype == x.dtype,
+                       lambda: "gn_patch: grad_out must match the input's shape, dtype and device")
     for t in (mean, rstd):
-        torch._check(t.shape == (x.shape[0], num_groups) and t.dtype == _stats_dtype(x),
-                     lambda: f"gn_patch: mean and rstd must be {_stats_dtype(x)} of shape (N, num_groups)")
-    torch._check(len(output_mask) == 5, lambda: "gn_patch: output_mask must have 5 entries (x, weight, bias, scale, "
-                                                "shift)")
+        torch._check_value(t.shape == (x.shape[0], num_groups) and t.dtype == _stats_dtype(x),
+                           lambda: f"gn_patch: mean and rstd must be {_stats_dtype(x)} of shape (N, num_groups)")
+    torch._check_value(len(output_mask) == 5, lambda: "gn_patch: output_mask must have 5 entries (x, weight, bias, "
+                                                      "scale, shift)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,6 +159,7 @@ def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
 @torch.library.register_fake("gn_patch::group_norm_act")
 def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
+    check_eps(eps)
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
     return torch.empty_like(x), stats, torch.empty_like(stats)
 
@@ -197,6 +216,7 @@ def _modulated(v, m, shift):
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
 def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
+    check_eps(eps)
     if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
         return torch.empty_like(x), stats, torch.empty_like(stats)
@@ -205,7 +225,7 @@ def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, ac
     rstd = torch.rsqrt(var + eps)
     u = _modulated(_affine(_normalized(x, mean, rstd, num_groups), weight, bias), _modulation(x, scale), shift)
     y = torch.empty_like(x)
-    y.copy_(ACTIVATIONS[activation](u))
+    y.copy_(ACTIVATIONS[canonical_activation(activation)](u))
     return y, mean, rstd
 
 
@@ -224,7 +244,7 @@ def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, 
     v = _affine(xhat, weight, bias)
     with torch.enable_grad():  # du = dy * act'(u), through PyTorch's own activation backward
         u = _modulated(v, m, shift).detach().requires_grad_(True)
-        (du,) = torch.autograd.grad(ACTIVATIONS[activation](u), u, grad_out.to(u.dtype))
+        (du,) = torch.autograd.grad(ACTIVATIONS[canonical_activation(activation)](u), u, grad_out.to(u.dtype))
     spatial = list(range(2, x.dim()))
     per_sample = lambda t: t.sum(spatial) if spatial else t
     dv = du if m is None else du * m
@@ -246,16 +266,35 @@ def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, 
 # ------------------------------------------------------------------------------------------------
 # Public function
 # ------------------------------------------------------------------------------------------------
+def _cpu_safe_group_norm(x, num_groups, weight, bias, eps):
+    """F.group_norm, steered around two faults of PyTorch's CPU GroupNorm backward (torch 2.13): a SIGSEGV for
+    channels-last input when the input needs no gradient but the weight or bias does (norm-only fine-tuning of a
+    channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have a device" for a
+    bias without a weight. The first runs from an NCHW-contiguous copy (the NCHW kernel's values), the second with a
+    weight of ones (the same values). Outside these cases: PyTorch's own call. As autograd.cpp's cpu_safe_group_norm."""
+    if x.is_cpu and torch.is_grad_enabled():
+        if weight is None and bias is not None and bias.requires_grad:
+            weight = torch.ones_like(bias)
+        params_need_grad = any(p is not None and p.requires_grad for p in (weight, bias))
+        if params_need_grad and not x.requires_grad and suggest_memory_format(x) != torch.contiguous_format:
+            x = x.contiguous()
+    return F.group_norm(x, num_groups, weight, bias, eps)
+
+
 def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None):
     """Stock PyTorch: F.group_norm, the per-sample modulation ``* (1 + scale) + shift`` as diffusers writes it, then
     the activation. What the dispatching op computes for the inputs the kernels do not take, before the extension
-    is loaded."""
+    is loaded. On the CPU, y has the layout PyTorch's CPU kernel gives it (x's suggested memory format), stated here
+    because the fake (meta) group_norm of torch 2.14 returns NCHW for channels-last input: torch.compile then traces
+    the layout the real call returns."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     if not (x.is_floating_point() or x.is_complex()):
-        raise TypeError(f"gn_patch.group_norm_act: expected a floating-point input, got {x.dtype}")
+        raise TypeError(f"gn_patch.group_norm_act: x must be a floating-point tensor, got {x.dtype}")
     scale, shift = _broadcastable(scale, x, "scale"), _broadcastable(shift, x, "shift")
-    y = F.group_norm(x, num_groups, weight, bias, eps)
+    y = _cpu_safe_group_norm(x, num_groups, weight, bias, eps)
+    if x.is_cpu:
+        y = y.contiguous(memory_format=suggest_memory_format(x))
     if scale is not None:
         y = y * (1 + scale)
     if shift is not None:
@@ -318,7 +357,16 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     Raises:
         RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,) (messages as
             torch.nn.GroupNorm's), weight on another device than x.
-        TypeError: x not a tensor, or an integer or bool tensor.
-        ValueError: unknown activation; scale/shift of the wrong shape.
+        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale or shift neither a tensor nor
+            None; num_groups not an int; eps not a number.
+        ValueError: num_groups <= 0; eps negative, infinite or NaN; unknown activation; scale/shift of the wrong
+            shape.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
+    check_num_groups(num_groups)
+    check_eps(eps)
+    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift)

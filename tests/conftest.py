@@ -1,7 +1,12 @@
-"""Shared test configuration: the `gpu` marker skips without CUDA; one tolerance table by dtype."""
+"""Shared test configuration: the `gpu` marker skips without CUDA; one tolerance table by dtype; fixtures that load
+the extension and choose the host path (Python or C++) or emulate the kernel path on the CPU."""
+
+import os
 
 import pytest
 import torch
+
+from gn_patch import extension
 
 # Tolerances against a float64 reference, by the dtype of the tensors under test. The fp16/bf16 rows
 # cover one rounding of the output (fp16: 2^-11 relative, bf16: 2^-8) on values of order 1 to 10.
@@ -20,3 +25,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The compiled extension (C++ autograd and dispatch) loaded on this CPU machine; CI builds it."""
+    if not extension.kernels_available():
+        if os.environ.get("GN_PATCH_REQUIRE_BUILD"):
+            pytest.fail("the extension failed to build or load")
+        pytest.skip("the extension is not built here (needs nvcc and a CUDA build of torch)")
+
+
+@pytest.fixture(params=["python", "cpp"])
+def host_path(request, monkeypatch):
+    """Run a test once with PyTorch's path in Python (before the extension loads) and once in C++ (after)."""
+    if request.param == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("ext")
+    return request.param
+
+
+@pytest.fixture
+def kernel_path_on_cpu(ext):
+    """The C++ dispatch sends channels-last CPU inputs to the op's CPU implementation as if it were the CUDA kernels:
+    the kernel path's dispatch, autograd and tracing run without a GPU."""
+    previous = torch.ops.gn_patch._set_cpu_emulates_kernels(True)
+    yield
+    torch.ops.gn_patch._set_cpu_emulates_kernels(previous)

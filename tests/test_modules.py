@@ -9,8 +9,36 @@ import gn_patch
 
 
 def test_channels_not_divisible():
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError) as stock:
+        torch.nn.GroupNorm(4, 6)
+    with pytest.raises(ValueError, match="divisible") as fused:
         gn_patch.GroupNormAct(4, 6)
+    assert str(fused.value) == str(stock.value)  # nn.GroupNorm's own message
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(num_groups=2.0), TypeError, "num_groups must be an int, got float"),
+    (dict(num_groups=0), ValueError, "num_groups must be positive, got 0"),
+    (dict(num_groups=-4), ValueError, "num_groups must be positive, got -4"),
+    (dict(eps=-1e-5), ValueError, "eps must be a finite number >= 0"),
+    (dict(eps=float("nan")), ValueError, "eps must be a finite number >= 0"),
+    (dict(eps="1e-5"), TypeError, "eps must be a float, got str"),
+    (dict(activation="tanh"), ValueError, "unknown activation 'tanh'"),
+], ids=["num_groups_float", "num_groups_0", "num_groups_negative", "eps_negative", "eps_nan", "eps_str",
+        "activation"])
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gn_patch.GroupNormAct(**dict(dict(num_groups=4, num_channels=8), **kwargs))
+
+
+def test_from_group_norm_of_another_norm():
+    with pytest.raises(TypeError, match=r"group_norm must be a torch\.nn\.GroupNorm, got BatchNorm2d"):
+        gn_patch.GroupNormAct.from_group_norm(torch.nn.BatchNorm2d(32))
+
+
+def test_activation_name_is_case_insensitive():
+    assert gn_patch.GroupNormAct(2, 8, activation="SiLU").activation == "silu"
+    assert gn_patch.GroupNormAct.from_group_norm(torch.nn.GroupNorm(2, 8), "GELU").activation == "gelu"
 
 
 class TestModule:

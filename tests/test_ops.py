@@ -2,14 +2,11 @@
 PyTorch's path (in Python before the extension loads, in C++ after), errors, op registration (schema, fake, the
 C++ autograd), the reference forward and backward formulas the kernels implement, transforms and tracing."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gn_patch
-from gn_patch import extension
 from gn_patch.ops import ACTIVATIONS
 
 from .conftest import TOLERANCES
@@ -37,34 +34,6 @@ def affine(channels, dtype=torch.float32, seed=1):
 def modulation(n, channels, dtype=torch.float32, seed=2):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, channels, generator=gen) * 0.5).to(dtype), torch.randn(n, channels, generator=gen).to(dtype)
-
-
-@pytest.fixture(scope="module")
-def ext():
-    """The compiled extension (C++ autograd and dispatch) loaded on this CPU machine; CI builds it."""
-    if not extension.kernels_available():
-        if os.environ.get("GN_PATCH_REQUIRE_BUILD"):
-            pytest.fail("the extension failed to build or load")
-        pytest.skip("the extension is not built here (needs nvcc and a CUDA build of torch)")
-
-
-@pytest.fixture(params=["python", "cpp"])
-def host_path(request, monkeypatch):
-    """Run a test once with PyTorch's path in Python (before the extension loads) and once in C++ (after)."""
-    if request.param == "python":
-        monkeypatch.setattr(extension, "loaded", False)
-    else:
-        request.getfixturevalue("ext")
-    return request.param
-
-
-@pytest.fixture
-def kernel_path_on_cpu(ext):
-    """The C++ dispatch sends channels-last CPU inputs to the op's CPU implementation as if it were the CUDA kernels:
-    the kernel path's dispatch, autograd and tracing run without a GPU."""
-    previous = torch.ops.gn_patch._set_cpu_emulates_kernels(True)
-    yield
-    torch.ops.gn_patch._set_cpu_emulates_kernels(previous)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,6 +128,69 @@ class TestErrors:
     def test_one_value_per_channel(self, host_path):
         with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
             gn_patch.group_norm_act(torch.randn(1, 4), 4)
+
+    @pytest.mark.parametrize("num_groups", [2.0, True, "4", None])
+    def test_num_groups_not_an_int(self, num_groups, host_path):
+        with pytest.raises(TypeError, match=f"num_groups must be an int, got {type(num_groups).__name__}"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), num_groups)
+
+    @pytest.mark.parametrize("num_groups", [0, -2])
+    def test_num_groups_not_positive(self, num_groups, host_path):
+        with pytest.raises(ValueError, match=f"num_groups must be positive, got {num_groups}"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), num_groups)
+
+    @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf")])
+    def test_eps_out_of_range(self, eps, host_path):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, eps=eps)
+
+    @pytest.mark.parametrize("eps", ["1e-5", None, True, torch.tensor(1e-5)])
+    def test_eps_not_a_number(self, eps, host_path):
+        with pytest.raises(TypeError, match="eps must be a float"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, eps=eps)
+
+    @pytest.mark.parametrize("name", ["weight", "bias", "scale", "shift"])
+    def test_parameter_not_a_tensor(self, name, host_path):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor or None, got list"):
+            gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, **{name: [1.0] * 8})
+
+
+class TestRawOpArguments:
+    """The ops under torch.ops.gn_patch check what the public function checks, with the same messages."""
+
+    def _dispatch(self, x, num_groups=4, eps=1e-5, activation="silu"):
+        return torch.ops.gn_patch.group_norm_act_dispatch(x, num_groups, None, None, eps, activation, None, None)
+
+    def test_unknown_activation_same_error_as_the_function(self, ext):
+        x = torch.randn(2, 8, 3, 3)
+        with pytest.raises(ValueError) as public:
+            gn_patch.group_norm_act(x, 4, activation="tanh")
+        for call in (lambda: self._dispatch(x, activation="tanh"),
+                     lambda: OP(x, None, None, None, None, 4, 1e-5, "tanh"),
+                     lambda: OP_BWD(x, x, None, None, None, None, torch.zeros(2, 4), torch.ones(2, 4), 4, "tanh",
+                                    ALL_GRADS)):
+            with pytest.raises(ValueError) as raw:
+                call()
+            assert str(raw.value).splitlines()[0] == str(public.value)
+
+    @pytest.mark.parametrize("name", ["SiLU", "Swish", "GELU_tanh", "NONE"])
+    def test_activation_is_case_insensitive(self, name, ext):
+        x = torch.randn(2, 8, 3, 3, dtype=torch.float64)
+        canonical = gn_patch.canonical_activation(name)
+        want = OP(x, None, None, None, None, 4, 1e-5, canonical)
+        torch.testing.assert_close(OP(x, None, None, None, None, 4, 1e-5, name), want, rtol=0, atol=0)
+        torch.testing.assert_close(self._dispatch(x, activation=name), want[0])
+        torch.testing.assert_close(OP_BWD(x, x, None, None, None, None, *want[1:], 4, name, ALL_GRADS)[0],
+                                   OP_BWD(x, x, None, None, None, None, *want[1:], 4, canonical, ALL_GRADS)[0])
+
+    def test_dispatch_checks_num_groups_eps_and_dtype(self, ext):
+        x = torch.randn(2, 8, 3, 3)
+        with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
+            self._dispatch(x, num_groups=0)
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            self._dispatch(x, eps=-1.0)
+        with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+            self._dispatch(x.long())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,12 +301,16 @@ def test_compile_fullgraph_forward_backward(dynamic, ext):
      "bias to be a vector"),
     (lambda: OP(torch.arange(48).reshape(2, 8, 3), None, None, None, None, 4, 1e-5, "silu"), TypeError,
      "floating-point"),
-    (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 0, 1e-5, "silu"), RuntimeError,
+    (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 0, 1e-5, "silu"), ValueError,
      "num_groups must be positive"),
+    (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 4, -1e-5, "silu"), ValueError,
+     "eps must be a finite number >= 0"),
+    (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 4, float("nan"), "silu"), ValueError,
+     "eps must be a finite number >= 0"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 4, 1e-5, "tanh"), ValueError,
      "unknown activation 'tanh'"),
-    (lambda: OP(torch.randn(8), None, None, None, None, 4, 1e-5, "silu"), RuntimeError, "2-D to 5-D"),
-    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+    (lambda: OP(torch.randn(8), None, None, None, None, 4, 1e-5, "silu"), ValueError, "x must be a 2-D to 5-D input"),
+    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), ValueError,
      "empty spatial size"),
     (lambda: OP(torch.randn(2, 8, 3, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), torch.zeros(8), None,
                 None, 4, 1e-5, "silu"), TypeError, "must have the same dtype"),
@@ -282,12 +318,12 @@ def test_compile_fullgraph_forward_backward(dynamic, ext):
      r"scale must have shape \(N, C\)"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, None, torch.ones(2, 8, dtype=torch.int32), 4, 1e-5, "silu"),
      TypeError, "shift must have the input's dtype"),
-    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, None, None, 4, 1e-5, "silu"), ValueError,
      "empty spatial size"),
     (lambda: OP(torch.empty(2, 8, 3, device="meta"), torch.ones(3, device="meta"), None, None, None, 4, 1e-5, "silu"),
      RuntimeError, "weight to be a vector"),
     (lambda: OP_BWD(torch.randn(2, 8, 3), torch.randn(2, 8, 3), None, None, None, None, torch.zeros(1, 4),
-                    torch.ones(1, 4), 4, "silu", ALL_GRADS), RuntimeError, "mean and rstd"),
+                    torch.ones(1, 4), 4, "silu", ALL_GRADS), ValueError, "mean and rstd"),
 ])
 def test_op_rejects_bad_input(call, error, match):
     with pytest.raises(error, match=match):

@@ -475,3 +475,83 @@ def test_double_backward_cuda():
     (g64,) = torch.autograd.grad(y64.square().sum(), x64, create_graph=True)
     g64.square().sum().backward()
     assert_close(w.grad, w64.grad, atol=1e-3 * w64.grad.abs().max().item(), rtol=1e-3, what="d(|dx|^2)/dweight")
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 13: PyTorch's path on CUDA, argument errors, torch.export of a patched model
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("affine_params", ["none", "weight_bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["channels_last_channel_slice", "non_dense", "expanded", "rank5_permuted"])
+def test_pytorch_path_result_and_layout_cuda(layout, dtype, affine_params):
+    """Inputs the kernels do not take (not channels-last dense: the issue's permuted example is, on CUDA) get
+    PyTorch's exact result and layout, which the fake tensors torch.compile traces with agree with."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .test_pytorch_path import GROUPS, make_input
+
+    x = make_input(layout, dtype, "cuda")
+    w, b = affine(x.shape[1], dtype)
+    w = w if "weight" in affine_params else None
+    b = b if "bias" in affine_params else None
+    y = gn_patch.group_norm_act(x, GROUPS, w, b)
+    expected = F.silu(F.group_norm(x, GROUPS, w, b))
+    assert y.stride() == expected.stride() and torch.equal(y, expected)
+    with FakeTensorMode() as mode:
+        fake = gn_patch.group_norm_act(mode.from_tensor(x), GROUPS, *(mode.from_tensor(p) if p is not None else None
+                                                                      for p in (w, b)))
+    assert fake.stride() == y.stride()
+
+
+def test_bias_without_weight_trains_cuda():
+    x = random_input((2, 64, 8, 8), torch.float32, "cuda", layout="nchw").requires_grad_(True)
+    b = affine(64, torch.float32)[1].requires_grad_(True)
+    gn_patch.group_norm_act(x, 32, None, b).square().sum().backward()
+    x_ref, b_ref = x.detach().requires_grad_(True), b.detach().requires_grad_(True)
+    F.silu(F.group_norm(x_ref, 32, None, b_ref)).square().sum().backward()
+    torch.testing.assert_close(b.grad, b_ref.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+class TestCudaArguments:
+    def test_num_groups_and_eps(self):
+        x = random_input((2, 64, 4, 4), torch.float16, "cuda")
+        with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
+            OP(x, None, None, None, None, 0, 1e-5, "silu")
+        with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
+            gn_patch.group_norm_act(x, 0)
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            OP(x, None, None, None, None, 32, -1.0, "silu")
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+            gn_patch.group_norm_act(x, 32, eps=float("nan"))
+
+    def test_activation_is_case_insensitive(self):
+        x = random_input((2, 64, 4, 4), torch.float16, "cuda")
+        want = OP(x, None, None, None, None, 32, 1e-5, "silu")[0]
+        assert torch.equal(OP(x, None, None, None, None, 32, 1e-5, "SiLU")[0], want)
+        assert torch.equal(gn_patch.group_norm_act(x, 32, activation="SiLU"), want)
+        assert torch.equal(gn_patch.GroupNormAct(32, 64, affine=False, activation="Swish").cuda()(x), want)
+
+
+def test_export_of_a_patched_unet_keeps_the_op_cuda():
+    """torch.export of a patched tiny UNet (fp16, channels_last, no_grad): one gn_patch op per fused norm in the
+    program (the kernels' op once decomposed), the kernels run when it runs, and it computes the patched model's
+    outputs."""
+    from . import tiny_models
+
+    patched = tiny_models.tiny_sd15_unet().cuda().half()
+    gn_patch.patch_model(patched)
+    norms = sum(isinstance(m, gn_patch.GroupNormAct) for m in patched.modules())
+    inputs = {k: v.cuda() for k, v in tiny_models.sd15_unet_inputs().items()}
+    inputs["sample"] = inputs["sample"].half().contiguous(memory_format=torch.channels_last)
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"].half()
+    targets = lambda program: [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    with torch.no_grad():
+        exported = torch.export.export(patched, (), inputs)
+        assert targets(exported).count("gn_patch.group_norm_act_dispatch.default") == norms > 0, targets(exported)
+        decomposed = targets(exported.run_decompositions())
+        assert decomposed.count("gn_patch.group_norm_act.default") == norms, sorted(set(decomposed))
+        with tiny_models.OpCounter() as counter:
+            out = exported.module()(**inputs)
+        assert counter.calls["gn_patch::group_norm_act"] == norms, counter.calls
+        tiny_models.assert_same_outputs(out, patched(**inputs), tol=1e-3)

@@ -6,6 +6,8 @@
 #   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick; BENCH_OUT resumes)
 #   peers      python -m gn_patch.bench --only peers --peers .peers into $OUT/bench (BENCH_OUT as for bench): gn_patch
 #              against the peer kernels of .peers/ (a copy of ../shared/peers, carried), builds cached in .build/peers
+#   modes      benchmarks/tools/channels_last_modes.py: SD1.5's UNet patched with channels_last weights against
+#              channels_last="activations" (FSDP2's mode) -> $OUT/channels_last_modes.json
 #   conv3d     benchmarks/tools/conv3d_layout.py: Conv3d NCDHW vs NDHWC for the video VAE decodes, and the decodes
 #              patched with channels_last_3d off and on -> $OUT/conv3d_layout.json
 #   txt2img    examples/txt2img.py, SD1.5 at 512² and SDXL at 1024², fp16, --check-fp32 --cuda-graph --compile-anchor
@@ -27,8 +29,9 @@ for step in "$@"; do
   case $step in
     build) python3 -m gn_patch.build 2>&1 | tail -5 || status=1 ;;
     tests)
-      # Four workers share the GPU (most tests are short and host-bound); TEST_TIMEOUT bounds the step.
-      timeout "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m gpu -q -n 4 --maxfail=50 --durations=20 \
+      # Four workers share the GPU (most tests are short and host-bound); TEST_TIMEOUT bounds the step with an
+      # interrupt, after which pytest still writes the JUnit XML of the tests that ran.
+      timeout -s INT -k 30 "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m gpu -q -n 4 --maxfail=50 --durations=20 \
         -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
       tail -15 "$OUT/gpu_tests.log"
       python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" || status=1 ;;
@@ -49,6 +52,7 @@ for step in "$@"; do
       bench_out=${BENCH_OUT:-$OUT/bench}
       python3 -m gn_patch.bench --only peers --peers "$PWD/.peers" --out "$bench_out" 2>&1 | tail -100
       [ "$bench_out" = "$OUT/bench" ] || cp -r "$bench_out" "$OUT/bench" ;;
+    modes) python3 benchmarks/tools/channels_last_modes.py --json "$OUT/channels_last_modes.json" 2>&1 | tail -20 ;;
     conv3d) python3 benchmarks/tools/conv3d_layout.py --json "$OUT/conv3d_layout.json" 2>&1 | tail -60 || status=1 ;;
     txt2img)
       rm -f "$OUT/txt2img.json"

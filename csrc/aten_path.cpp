@@ -11,6 +11,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/native_group_norm.h>
 #include <ATen/ops/native_group_norm_backward.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/silu_backward.h>
@@ -114,8 +115,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> aten_back
   // Every operand NCHW-contiguous: native_group_norm_backward reads dv with x's layout.
   const at::Tensor du = activation_backward(grad_out.to(kAcc).contiguous(), modulate(v, s, t, x), act);
   const at::Tensor dv = s ? at::mul(du, at::add(per_sample_view(*s, x), 1)) : du;
+  // native_group_norm_backward allocates the bias gradient like the weight ("tensor does not have a device"
+  // without one, torch 2.11): a weight of ones gives the same dx.
+  const OptTensor gamma = !w && b && mask[2] ? OptTensor(at::ones_like(*b)) : w;
   auto [dx, dweight, dbias] = at::native_group_norm_backward(
-      dv.contiguous(), x, mean64, rstd64, w, N, C, spatial(x), num_groups, {mask[0], mask[1] && w.has_value(), mask[2] && b.has_value()});
+      dv.contiguous(), x, mean64, rstd64, gamma, N, C, spatial(x), num_groups, {mask[0], mask[1] && w.has_value(), mask[2] && b.has_value()});
   const auto none = input.options();
   auto like = [&](bool needed, const at::Tensor& value, const at::Tensor& target) {
     return needed ? at::empty_like(target).copy_(value) : at::empty({0}, none);

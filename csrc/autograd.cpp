@@ -78,15 +78,16 @@ void check_values_per_group(const at::Tensor& x, int64_t num_groups) {
 
 bool needs_grad(const OptTensor& t) { return t.has_value() && t->requires_grad(); }
 
-// at::group_norm, steered around two faults of PyTorch's CPU GroupNorm backward (torch 2.13): a SIGSEGV for
-// channels-last input when the input needs no gradient but the weight or bias does (norm-only fine-tuning of a
-// channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have a device" for
-// a bias without a weight. The first runs from an NCHW-contiguous copy (NCHW kernel's values, PyTorch's layout),
-// the second with a weight of ones (the same values). Outside these cases: PyTorch's own call.
-at::Tensor cpu_safe_group_norm(const at::Tensor& x, int64_t num_groups, const OptTensor& weight,
-                               const OptTensor& bias, double eps) {
-  const bool cpu_training = x.is_cpu() && at::GradMode::is_enabled();
-  const OptTensor w = cpu_training && !weight.has_value() && needs_grad(bias) ? OptTensor(at::ones_like(*bias)) : weight;
+// at::group_norm, steered around two faults of PyTorch's GroupNorm backward: a SIGSEGV of the CPU kernel (torch
+// 2.13) for channels-last input when the input needs no gradient but the weight or bias does (norm-only
+// fine-tuning of a channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have
+// a device" for a bias without a weight (CPU on torch 2.13, CUDA on torch 2.11). The first runs from an
+// NCHW-contiguous copy (NCHW kernel's values, PyTorch's layout), the second with a weight of ones (the same
+// values: x̂ * 1 is exact). Outside these cases: PyTorch's own call.
+at::Tensor safe_group_norm(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
+                           double eps) {
+  const bool training = at::GradMode::is_enabled(), cpu_training = x.is_cpu() && training;
+  const OptTensor w = training && !weight.has_value() && needs_grad(bias) ? OptTensor(at::ones_like(*bias)) : weight;
   const bool crashing_backward = cpu_training && !x.requires_grad() && (needs_grad(weight) || needs_grad(bias)) &&
                                  x.suggest_memory_format() != at::MemoryFormat::Contiguous;
   const bool cudnn = at::globalContext().userEnabledCuDNN();
@@ -101,7 +102,7 @@ at::Tensor cpu_safe_group_norm(const at::Tensor& x, int64_t num_groups, const Op
 at::Tensor pytorch_path(const at::Tensor& x, int64_t num_groups, const OptTensor& weight, const OptTensor& bias,
                         double eps, Act act, const OptTensor& scale, const OptTensor& shift) {
   TORCH_CHECK(x.dim() >= 2, "Expected at least 2 dimensions for input tensor but received " + std::to_string(x.dim()));
-  at::Tensor y = cpu_safe_group_norm(x, num_groups, weight, bias, eps);
+  at::Tensor y = safe_group_norm(x, num_groups, weight, bias, eps);
   if (x.is_cpu()) y = y.contiguous(x.suggest_memory_format());
   if (scale.has_value()) y = at::mul(y, at::add(*scale, 1));
   if (shift.has_value()) y = at::add(y, *shift);

@@ -74,7 +74,7 @@ class CaptureError(RuntimeError):
 
 
 class CUDAGraphBackend:
-    """torch.cuda.CUDAGraph capture and replay, all graphs of one device in one memory pool.
+    """torch.cuda.CUDAGraph capture and replay, the graphs of one device sharing one memory pool.
 
     The interface a stand-in implements (the CPU tests use one): ``supports(device)``, ``capturing(device)``,
     ``capture(run, device) -> (graph, static output, warm-up output)``, ``replay(graph)``, ``memory_bytes()``.
@@ -82,6 +82,8 @@ class CUDAGraphBackend:
 
     def __init__(self) -> None:
         self._pools: dict[torch.device, tuple] = {}
+        self._pool_graphs: dict[torch.device, weakref.WeakSet] = {}  # the live graphs of each device's pool
+        self._pool_ids: set[tuple] = set()  # every pool this backend captured into (memory_bytes)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def supports(self, device: torch.device) -> bool:
@@ -91,7 +93,7 @@ class CUDAGraphBackend:
         """Whether the current stream is being captured (by the caller's own graph or torch.compile)."""
         return torch.cuda.is_current_stream_capturing()
 
-    def capture(self, run: Callable[[], Any], device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
+    def capture(self, run: Callable[[], Any], device: torch.device) -> tuple[_PooledGraph, Any, Any]:
         """One eager warm-up call of ``run`` on a side stream (lazy initialisation, kernel builds and autotuning
         stay out of the graph), then its capture into the device's pool. Returns the graph, the output of the
         captured call (the graph's static outputs, whose values are those of the next replay) and the output of
@@ -104,8 +106,7 @@ class CUDAGraphBackend:
             current = torch.cuda.current_stream()
             if device not in self._streams:
                 self._streams[device] = torch.cuda.Stream()
-                self._pools[device] = torch.cuda.graph_pool_handle()
-            stream, pool = self._streams[device], self._pools[device]
+            stream, pool = self._streams[device], self._pool(device)
             stream.wait_stream(current)  # the static inputs were written on the current stream
             with torch.cuda.stream(stream):
                 result = run()
@@ -128,18 +129,41 @@ class CUDAGraphBackend:
             torch.cuda.synchronize(device)  # the warm-up's GPU time counts in the capture time the report gives
         if failure is not None:
             raise CaptureError(f"{type(failure).__name__}: {failure}") from failure
-        return graph, output, result
+        pooled = _PooledGraph(graph)
+        self._pool_graphs[device].add(pooled)
+        return pooled, output, result
 
-    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        graph.replay()
+    def _pool(self, device: torch.device) -> tuple:
+        """The memory pool of the device's next capture. Once every graph of a pool is gone, PyTorch's caching
+        allocator releases the pool lazily (when its memory is freed), and a capture that names it before then fails
+        an internal assert (``use_count > 0``, seen with torch 2.11 after a recapture) and leaves the CUDA generator
+        in capture mode: such a pool is replaced by a new one."""
+        graphs = self._pool_graphs.setdefault(device, weakref.WeakSet())
+        if device not in self._pools or not graphs:
+            self._pools[device] = torch.cuda.graph_pool_handle()
+            self._pool_ids.add(tuple(self._pools[device]))
+        return self._pools[device]
+
+    def replay(self, graph: _PooledGraph) -> None:
+        graph.graph.replay()
 
     def memory_bytes(self) -> int:
-        """Bytes of device memory reserved by the pools of this backend's graphs."""
-        if not self._pools:
+        """Bytes of device memory reserved by the pools of this backend's graphs (a pool whose graphs are gone
+        counts until PyTorch frees its memory)."""
+        if not self._pool_ids:
             return 0
-        pools = {tuple(pool) for pool in self._pools.values()}
         return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-                   if tuple(segment.get("segment_pool_id", ())) in pools)
+                   if tuple(segment.get("segment_pool_id", ())) in self._pool_ids)
+
+
+class _PooledGraph:
+    """A captured torch.cuda.CUDAGraph, as the backend hands it out: its only owner, and weakly referenceable (the
+    pybind class is not), so that the backend knows when no graph of a pool is left."""
+
+    __slots__ = ("__weakref__", "graph")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph
 
 
 # ------------------------------------------------------------------------------------------------

@@ -266,15 +266,16 @@ def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, 
 # ------------------------------------------------------------------------------------------------
 # Public function
 # ------------------------------------------------------------------------------------------------
-def _cpu_safe_group_norm(x, num_groups, weight, bias, eps):
-    """F.group_norm, steered around two faults of PyTorch's CPU GroupNorm backward (torch 2.13): a SIGSEGV for
-    channels-last input when the input needs no gradient but the weight or bias does (norm-only fine-tuning of a
-    channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have a device" for a
-    bias without a weight. The first runs from an NCHW-contiguous copy (the NCHW kernel's values), the second with a
-    weight of ones (the same values). Outside these cases: PyTorch's own call. As autograd.cpp's cpu_safe_group_norm."""
+def _safe_group_norm(x, num_groups, weight, bias, eps):
+    """F.group_norm, steered around two faults of PyTorch's GroupNorm backward: a SIGSEGV of the CPU kernel (torch
+    2.13) for channels-last input when the input needs no gradient but the weight or bias does (norm-only
+    fine-tuning of a channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have
+    a device" for a bias without a weight (CPU on torch 2.13, CUDA on torch 2.11). The first runs from an
+    NCHW-contiguous copy (the NCHW kernel's values), the second with a weight of ones (the same values). Outside
+    these cases: PyTorch's own call. As autograd.cpp's safe_group_norm."""
+    if torch.is_grad_enabled() and weight is None and bias is not None and bias.requires_grad:
+        weight = torch.ones_like(bias)
     if x.is_cpu and torch.is_grad_enabled():
-        if weight is None and bias is not None and bias.requires_grad:
-            weight = torch.ones_like(bias)
         params_need_grad = any(p is not None and p.requires_grad for p in (weight, bias))
         if params_need_grad and not x.requires_grad and suggest_memory_format(x) != torch.contiguous_format:
             x = x.contiguous()
@@ -292,7 +293,7 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shif
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"gn_patch.group_norm_act: x must be a floating-point tensor, got {x.dtype}")
     scale, shift = _broadcastable(scale, x, "scale"), _broadcastable(shift, x, "shift")
-    y = _cpu_safe_group_norm(x, num_groups, weight, bias, eps)
+    y = _safe_group_norm(x, num_groups, weight, bias, eps)
     if x.is_cpu:
         y = y.contiguous(memory_format=suggest_memory_format(x))
     if scale is not None:

@@ -261,6 +261,20 @@ def test_least_recently_used_graph_is_dropped():
     assert any("graph dropped (least recently used of 2): x=(2, 4) float32" in e for e in graphed._events)
 
 
+def test_a_pool_without_live_graphs_is_replaced():
+    """CUDAGraphBackend shares a pool between live graphs only: a pool whose graphs are all gone is never captured
+    into again (torch 2.11's allocator asserts then, as the H200 suite found after a recapture)."""
+    backend, device = cuda_graphs.CUDAGraphBackend(), torch.device("cuda", 0)
+    first = backend._pool(device)
+    graph = cuda_graphs._PooledGraph(object())
+    backend._pool_graphs[device].add(graph)
+    assert backend._pool(device) == first
+    del graph
+    gc.collect()
+    second = backend._pool(device)
+    assert second != first and backend._pool_ids == {tuple(first), tuple(second)}
+
+
 def test_capture_failure_runs_that_signature_eagerly():
     toy = Toy()
     graphed, backend = graph_model(toy)

@@ -41,6 +41,8 @@ TRAIN_SCRIPT = REPO / "examples" / "train_text_to_image.py"
 COMPARED_STEPS = 10
 # Config entries that differ between the two runs by design.
 PER_RUN_KEYS = {"no_patch", "output_dir", "log_json", "gn_patch"}
+# Options the training script gained after results were committed: a config without one ran with its default.
+ADDED_OPTION_DEFAULTS = {"fsdp2": False}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -122,8 +124,8 @@ def summarize(stock: dict, patched: dict, commit: str) -> dict:
 def add_scaling(result: dict, one_gpu: dict) -> None:
     """Adds the one-GPU samples/s of the same configuration and the scaling of stock and patched."""
     ignored = {"num_processes", "global_batch_size", "gn_patch"}
-    mine = {k: v for k, v in result["config"].items() if k not in ignored}
-    theirs = {k: v for k, v in one_gpu["config"].items() if k not in ignored}
+    mine = {k: v for k, v in {**ADDED_OPTION_DEFAULTS, **result["config"]}.items() if k not in ignored}
+    theirs = {k: v for k, v in {**ADDED_OPTION_DEFAULTS, **one_gpu["config"]}.items() if k not in ignored}
     differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if differing:
         raise SystemExit(f"--one-gpu-json is another configuration: {differing} differ")

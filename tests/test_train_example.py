@@ -163,6 +163,10 @@ def test_scaling_against_one_gpu_result():
     other = dict(one_gpu, config=dict(one_gpu["config"], resolution=256))
     with pytest.raises(SystemExit, match="resolution"):
         compare_training.add_scaling(result, other)
+    # A one-GPU result from before --fsdp2 existed ran without it: it scales a run without FSDP2 only.
+    compare_training.add_scaling(dict(result, config=dict(result["config"], fsdp2=False)), one_gpu)
+    with pytest.raises(SystemExit, match="fsdp2"):
+        compare_training.add_scaling(dict(result, config=dict(result["config"], fsdp2=True)), one_gpu)
 
 
 @pytest.mark.gpu

@@ -441,8 +441,8 @@ def train(args: argparse.Namespace) -> dict:
         # accelerate's transformer-based wrap policy reads the class names in prepare().
         accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = fsdp2_units(unet)
     unet, optimizer = accelerator.prepare(unet, optimizer)
-    # After prepare: FSDP2 replaces each parameter by a sharded one (DTensor), and gradients clipped on the old
-    # ones would be clipped on nothing.
+    # After prepare: FSDP2 replaces each parameter by a sharded one (DTensor), and accelerator.clip_grad_norm_
+    # needs the model's own (given the replaced ones, it fails mixing tensors and DTensors).
     params = [p for p in unet.parameters() if p.requires_grad]
 
     # Diffusion noise, timesteps and VAE sampling noise for the global batch; this process uses its slice.

@@ -179,7 +179,7 @@ def test_compare_training_under_fsdp2(tmp_path):
     result = json.loads(output.read_text())
     config = result["config"]
     assert config["fsdp2"] is True and config["num_processes"] == 1 and config["mixed_precision"] == "bf16"
-    assert config["gn_patch"]["channels_last_conv_weights"] == 0 and config["gn_patch"]["cuda_kernels"] is True
+    assert config["gn_patch"]["cuda_kernels"] is True
     losses = result["stock_losses"] + result["patched_losses"]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     # The same weights, data and noise in bf16: the losses differ by bf16 rounding of the activations (~1%).

@@ -14,12 +14,14 @@ The defaults are the acceptance run of issue 4: 50 steps of full fine-tuning of 
     python examples/compare_training.py --tiny --max-train-steps 3 --mixed-precision no   # CPU smoke run
 
 Arguments it does not know go to both training runs (``--gradient-checkpointing``, ``--lora-rank 4``,
-``--tiny``, ...). ``--num-processes N`` (N > 1) runs each under ``accelerate launch --multi_gpu``;
+``--tiny``, ``--fsdp2``, ...). ``--num-processes N`` (N > 1) runs each under ``accelerate launch --multi_gpu``
+(``--fsdp2`` with one process: under ``torchrun``, as FSDP needs a distributed launch);
 ``--one-gpu-json`` names the result of the same configuration on one GPU, whose samples/s the output then
 records next to its own, with the scaling (N-GPU samples/s over one-GPU samples/s)::
 
     python examples/compare_training.py --output one.json
     python examples/compare_training.py --num-processes 2 --one-gpu-json one.json --output two.json
+    python examples/compare_training.py --num-processes 2 --fsdp2 --output training_fsdp2.json   # UNet sharded
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ TRAIN_SCRIPT = REPO / "examples" / "train_text_to_image.py"
 COMPARED_STEPS = 10
 # Config entries that differ between the two runs by design.
 PER_RUN_KEYS = {"no_patch", "output_dir", "log_json", "gn_patch"}
+# Options the training script gained after results were committed: a config without one ran with its default.
+ADDED_OPTION_DEFAULTS = {"fsdp2": False}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Other flags (e.g. --tiny, --gradient-checkpointing, --lora-rank) go to "
-                                            "both runs of examples/train_text_to_image.py; its --help lists them.")
+                                     epilog="Other flags (e.g. --tiny, --gradient-checkpointing, --lora-rank, "
+                                            "--fsdp2) go to both runs of examples/train_text_to_image.py; its --help "
+                                            "lists them.")
     parser.add_argument("--output", type=Path, default=Path("training.json"), help="result JSON (default: %(default)s)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
                         help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched "
@@ -61,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     return parser.parse_known_args(argv)
 
 
-def launcher(num_processes: int) -> list[str]:
+def launcher(num_processes: int, fsdp2: bool) -> list[str]:
+    if num_processes == 1 and fsdp2:  # accelerate applies FSDP only to a distributed launch
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     if num_processes == 1:
         return [sys.executable]
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes)]
@@ -76,7 +83,7 @@ def train(args: argparse.Namespace, extra: list[str], patched: bool) -> dict:
     resolution = args.resolution or (None if tiny else 512)
     batch = args.train_batch_size or (None if tiny else 8)
     command = [
-        *launcher(args.num_processes), str(TRAIN_SCRIPT),
+        *launcher(args.num_processes, "--fsdp2" in extra), str(TRAIN_SCRIPT),
         *(["--resolution", str(resolution)] if resolution else []),
         *(["--train-batch-size", str(batch)] if batch else []),
         "--max-train-steps", str(args.max_train_steps), "--mixed-precision", args.mixed_precision,
@@ -117,8 +124,8 @@ def summarize(stock: dict, patched: dict, commit: str) -> dict:
 def add_scaling(result: dict, one_gpu: dict) -> None:
     """Adds the one-GPU samples/s of the same configuration and the scaling of stock and patched."""
     ignored = {"num_processes", "global_batch_size", "gn_patch"}
-    mine = {k: v for k, v in result["config"].items() if k not in ignored}
-    theirs = {k: v for k, v in one_gpu["config"].items() if k not in ignored}
+    mine = {k: v for k, v in {**ADDED_OPTION_DEFAULTS, **result["config"]}.items() if k not in ignored}
+    theirs = {k: v for k, v in {**ADDED_OPTION_DEFAULTS, **one_gpu["config"]}.items() if k not in ignored}
     differing = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if differing:
         raise SystemExit(f"--one-gpu-json is another configuration: {differing} differ")

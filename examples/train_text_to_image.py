@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Fine-tune a Stable Diffusion 1.x UNet with gn_patch's fused GroupNorm+SiLU kernels (``--no-patch``: stock).
 
-Runs on accelerate, so the same command works on one device or under DDP::
+Runs on accelerate, so the same command works on one device, under DDP or, with ``--fsdp2``, with the UNet
+sharded by FSDP2 (accelerate's FSDP plugin, version 2; GPUs only)::
 
     python examples/train_text_to_image.py --tiny --max-train-steps 3 --mixed-precision no --output-dir /tmp/x
     accelerate launch --multi_gpu --num_processes 2 examples/train_text_to_image.py --mixed-precision bf16 ...
+    accelerate launch --multi_gpu --num_processes 2 examples/train_text_to_image.py --fsdp2 ...
 
 Without ``--model`` the UNet and VAE are SD1.5's architecture (published configs) with random weights and the
 prompts are random embeddings, so it runs on a machine without any download; without ``--train-data-dir`` the
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -83,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--lora-rank", type=int, help="train rank-N LoRA adapters on the attention projections "
                                                      "instead of the whole UNet")
     train.add_argument("--no-patch", action="store_true", help="stock diffusers modules, for comparison")
+    train.add_argument("--fsdp2", action="store_true",
+                       help="shard the UNet with FSDP2 through accelerate (one unit per down, mid and up block; "
+                            "--mixed-precision sets its compute dtype); patched: patch_model(unet, "
+                            "channels_last='activations'). Needs a distributed GPU launch (accelerate launch "
+                            "--multi_gpu, or torchrun), also for one process")
     train.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", type=Path, default=Path("train_text_to_image_output"))
@@ -90,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tiny and args.model:
         parser.error("--tiny builds random models; it cannot be combined with --model")
+    if args.fsdp2 and args.lora_rank:
+        parser.error("--fsdp2 shards full fine-tuning; LoRA adapters (--lora-rank) train too few parameters to "
+                     "need it, and their checkpoint is not gathered from shards here")
     if args.prompt_embeds and not args.train_data_dir:
         parser.error("--prompt-embeds belongs to the images of --train-data-dir")
     for name in ("train_batch_size", "max_train_steps", "gradient_accumulation_steps"):
@@ -272,6 +282,31 @@ def add_lora(unet: UNet2DConditionModel, rank: int, seed: int) -> None:
             param.data = param.data.float()
 
 
+def fsdp2_plugin() -> FullyShardedDataParallelPlugin:
+    """accelerate's FSDP2 configuration for the UNet; name its units with :func:`fsdp2_units` before prepare().
+
+    Parameters are resharded after each unit's forward (full sharding) and kept in float32 as master weights;
+    the Accelerator sets the compute and gradient-reduction dtype from its ``mixed_precision``
+    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)`` for bf16). A full state
+    dict, gathered on process 0, is what the checkpoint is written from.
+    """
+    return FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True,
+                                          auto_wrap_policy="transformer_based_wrap",
+                                          state_dict_type="FULL_STATE_DICT")
+
+
+def fsdp2_units(unet: UNet2DConditionModel) -> list[str]:
+    """The class names of the UNet's down, mid and up blocks: each such block becomes one FSDP2 unit.
+
+    accelerate's transformer-based policy wraps by class name. The blocks hold the resnets and attention that
+    gn_patch patches but are not patched themselves, so a stock and a patched UNet shard into the same units
+    (accelerate adds one for the final norm, conv_norm_out; the root holds conv_in, the time embedding and
+    conv_out).
+    """
+    blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+    return sorted({type(block).__name__ for block in blocks if block is not None})
+
+
 def encode_latents(vae: AutoencoderKL, pixels: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """Scaled latents sampled from the VAE posterior with the given standard-normal draw, in float32."""
     posterior = vae.encode(pixels).latent_dist
@@ -312,6 +347,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def stock_unet_from(config, state_dict: dict[str, torch.Tensor]) -> UNet2DConditionModel:
+    """A stock UNet2DConditionModel of ``config`` holding ``state_dict`` (the full weights FSDP2 gathered).
+
+    The tensors are assigned, not copied: the model is built on the meta device and takes them as they are.
+    A patched model's state dict has the stock keys (the surgeon keeps every parameter's name).
+    """
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config)
+    unet.load_state_dict(state_dict, assign=True)
+    return unet
+
+
 def save_checkpoint(unet, output_dir: Path, lora: bool) -> Path:
     """The full UNet as a diffusers folder (stock UNet2DConditionModel.from_pretrained loads it), or the
     LoRA weights as pytorch_lora_weights.safetensors (StableDiffusionPipeline.load_lora_weights loads them)."""
@@ -330,7 +377,13 @@ def save_checkpoint(unet, output_dir: Path, lora: bool) -> Path:
 def train(args: argparse.Namespace) -> dict:
     """Run the fine-tuning; returns the log (config, per-step losses, samples/s, patched) on every process."""
     accelerator = Accelerator(mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps)
+                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              fsdp_plugin=fsdp2_plugin() if args.fsdp2 else None)
+    if args.fsdp2 and accelerator.distributed_type != DistributedType.FSDP:
+        # accelerate applies a plugin only in a distributed GPU (or other accelerator) run, and ignores it otherwise.
+        raise SystemExit(f"--fsdp2: accelerate runs this as {accelerator.distributed_type}, not FSDP; launch it "
+                         f"with `accelerate launch --multi_gpu --num_processes N` (N >= 2) or `torchrun "
+                         f"--nproc_per_node N` (N >= 1) on GPUs")
     set_seed(args.seed)  # python, numpy and torch; the same on every process
     device, world, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
@@ -344,7 +397,11 @@ def train(args: argparse.Namespace) -> dict:
         text_encoder.requires_grad_(False).eval().to(device, weight_dtype)
     patch_info = None
     if patched:
-        report = PatchReport().merge(patch_model(unet), "unet").merge(patch_model(vae), "vae")
+        # Before accelerator.prepare shards the UNet. FSDP2 refuses the channels_last conv weights of the default
+        # mode: with --fsdp2 the UNet keeps its parameters' layout and its inputs are made channels_last instead.
+        unet_layout = "activations" if args.fsdp2 else True
+        report = (PatchReport().merge(patch_model(unet, channels_last=unet_layout), "unet")
+                  .merge(patch_model(vae), "vae"))
         accelerator.print(report)
         # Build or load the CUDA kernels now, not inside the first step. Without them every GroupNormAct
         # computes with PyTorch's GroupNorm: the log says so (False), as a benchmark would otherwise mislead.
@@ -378,9 +435,15 @@ def train(args: argparse.Namespace) -> dict:
     sampler = ShardedBatchSampler(len(dataset), args.train_batch_size, rank, world, args.seed)
     batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=args.dataloader_num_workers))
 
-    params = [p for p in unet.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=1e-2)
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=1e-2)
+    if args.fsdp2:
+        # accelerate's transformer-based wrap policy reads the class names in prepare().
+        accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = fsdp2_units(unet)
     unet, optimizer = accelerator.prepare(unet, optimizer)
+    # After prepare: FSDP2 replaces each parameter by a sharded one (DTensor), and accelerator.clip_grad_norm_
+    # needs the model's own (given the replaced ones, it fails mixing tensors and DTensors).
+    params = [p for p in unet.parameters() if p.requires_grad]
 
     # Diffusion noise, timesteps and VAE sampling noise for the global batch; this process uses its slice.
     noise_gen = torch.Generator().manual_seed(args.seed)
@@ -442,9 +505,14 @@ def train(args: argparse.Namespace) -> dict:
     log["samples_per_s"] = (args.max_train_steps - warmup) * samples_per_step / (time.perf_counter() - start)
 
     accelerator.wait_for_everyone()
+    to_save = accelerator.unwrap_model(unet)
+    if args.fsdp2:
+        # Every process takes part in gathering the shards; process 0 gets the full float32 weights on the CPU.
+        state_dict = accelerator.get_state_dict(unet)
+        to_save = stock_unet_from(to_save.config, state_dict) if accelerator.is_main_process else None
     if accelerator.is_main_process:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        saved = save_checkpoint(accelerator.unwrap_model(unet), args.output_dir, bool(args.lora_rank))
+        saved = save_checkpoint(to_save, args.output_dir, bool(args.lora_rank))
         if args.log_json:
             args.log_json.parent.mkdir(parents=True, exist_ok=True)
             args.log_json.write_text(json.dumps(log, indent=2) + "\n")

@@ -11,12 +11,14 @@ the model fully_shard would have made of the stock one.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -243,3 +245,129 @@ def test_unpatch_under_fully_shard_of_a_parametrized_norm_restores_stock(gloo_gr
                                                                          "ParametrizedGroupNorm", "GroupNorm"]
     with torch.no_grad():
         assert_same_outputs(patched(**inputs).sample, stock(**inputs).sample, tol=1e-6)
+
+
+# The training example's --fsdp2 (accelerate's FSDP plugin, version 2)
+# ------------------------------------------------------------------------------------------------
+# accelerate applies an FSDP plugin only in a distributed run on GPUs (or other accelerators): on the CPU it
+# runs the script as MULTI_CPU or NO and never shards, so the script refuses --fsdp2 there. The pieces it hands
+# accelerate are tested with accelerate's own FSDP2 preparation (fsdp2_prepare_model, what Accelerator.prepare
+# calls) on a single-process gloo group, and the whole script with accelerate's state made FSDP by the test as it
+# is on GPUs; tests/test_train_example.py runs the script under FSDP2 on a GPU unchanged.
+def load_train_script():
+    spec = importlib.util.spec_from_file_location("train_text_to_image", TRAIN_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_script_fsdp2_arguments():
+    script = load_train_script()
+    assert script.parse_args(["--tiny", "--fsdp2"]).fsdp2 and not script.parse_args(["--tiny"]).fsdp2
+    with pytest.raises(SystemExit):  # argparse's error: LoRA with FSDP2 is refused
+        script.parse_args(["--tiny", "--fsdp2", "--lora-rank", "4"])
+    plugin = script.fsdp2_plugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type.name == "FULL_STATE_DICT"
+    # An unsharded CPU run would time and save something else than asked: the script refuses it.
+    result = subprocess.run([sys.executable, str(TRAIN_SCRIPT), "--tiny", "--fsdp2", "--max-train-steps", "2",
+                             "--mixed-precision", "no", "--output-dir", "unused"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0 and "not FSDP" in result.stderr and "--multi_gpu" in result.stderr
+
+
+def test_train_script_fsdp2_plugin_shards_a_patched_unet_into_blocks(gloo_group):
+    """The script's plugin through accelerate's fsdp2_prepare_model: a UNet patched with
+    channels_last="activations" shards into one unit per block (the same units as stock), trains like the
+    unsharded stock UNet, and its gathered full state dict makes the stock checkpoint the script saves."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    script = load_train_script()
+    config = configs.TINY_SD15_UNET
+    stock = build_unet(config)
+    inputs, probe = unet_inputs(config, 2, tokens=8), output_probe(config, 2)
+
+    def prepare(unet):
+        plugin = script.fsdp2_plugin()
+        plugin.transformer_cls_names_to_wrap = script.fsdp2_units(unet)
+        # What fsdp2_prepare_model reads of the Accelerator (mixed_precision "no": float32 throughout).
+        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                      is_main_process=True, device=torch.device("cpu"))
+        return fsdp2_prepare_model(accelerator, unet)
+
+    sharded = copy.deepcopy(stock)
+    patch_model(sharded, channels_last="activations")
+    sharded = prepare(sharded)
+    units = [name for name, module in sharded.named_modules() if isinstance(module, FSDPModule)]
+    blocks = [f"down_blocks.{i}" for i in range(len(stock.down_blocks))] + ["mid_block"] + [
+        f"up_blocks.{i}" for i in range(len(stock.up_blocks))]
+    assert sorted(units) == sorted(["", *blocks, "conv_norm_out"])
+    stock_units = [name for name, module in prepare(copy.deepcopy(stock)).named_modules()
+                   if isinstance(module, FSDPModule)]
+    assert stock_units == units
+    assert all(isinstance(param.data, DTensor) for param in sharded.parameters())
+
+    expected = sgd_losses(stock, inputs, probe)
+    torch.testing.assert_close(sgd_losses(sharded, inputs, probe), expected, rtol=1e-5, atol=0)
+
+    # accelerator.get_state_dict under FSDP2 calls get_model_state_dict with these options.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
+    saved = script.stock_unet_from(sharded.config, get_model_state_dict(sharded, options=options))
+    assert type(saved) is UNet2DConditionModel and module_types(saved) == module_types(build_unet(config))
+    assert saved.state_dict().keys() == stock.state_dict().keys()
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(param, stock.get_parameter(name), rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        assert_same_outputs(saved.eval()(**inputs).sample, stock.eval()(**inputs).sample, tol=1e-5)
+
+
+# accelerate's AcceleratorState on one CPU process made FSDP, as it is made on GPUs (it sets the distributed type,
+# gives the plugin the mixed precision and keeps it), then the training script run as __main__.
+FSDP_ON_CPU = """
+import runpy, sys
+import accelerate.state as state
+from accelerate.utils import DistributedType
+
+init = state.AcceleratorState.__init__
+
+def fsdp_init(self, *args, fsdp_plugin=None, **kwargs):
+    init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        self.distributed_type = state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = fsdp_plugin
+
+state.AcceleratorState.__init__ = fsdp_init
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_train_script_runs_under_fsdp2(tmp_path):
+    """The script's whole --fsdp2 run on one CPU process: accelerate's FSDP2 prepare with the script's plugin,
+    training steps, gradient clipping, the checkpoint gathered from the shards. The script refuses --fsdp2 unless
+    accelerate runs FSDP, so finishing means the UNet was sharded; it gives the unsharded run's losses and a stock
+    checkpoint of the same weights."""
+    common = ["--tiny", "--train-batch-size", "2", "--max-train-steps", "3", "--mixed-precision", "no",
+              "--learning-rate", "1e-3", "--max-grad-norm", "1e-3"]
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="2")
+    sharded, plain = tmp_path / "fsdp2", tmp_path / "plain"
+    for command, run_env in (([sys.executable, "-c", FSDP_ON_CPU, str(TRAIN_SCRIPT), "--fsdp2"], env),
+                             ([sys.executable, str(TRAIN_SCRIPT)], None)):
+        out = sharded if run_env else plain
+        result = subprocess.run([*command, *common, "--output-dir", str(out), "--log-json", str(out / "log.json")],
+                                env=run_env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+    log, expected = (json.loads((run / "log.json").read_text()) for run in (sharded, plain))
+    assert log["config"]["fsdp2"] is True and log["patched"]
+    torch.testing.assert_close(log["losses"], expected["losses"], rtol=1e-5, atol=0)
+
+    checkpoint = UNet2DConditionModel.from_pretrained(sharded / "unet")
+    assert module_types(checkpoint) == module_types(UNet2DConditionModel(**configs.TINY_SD15_UNET))
+    reference = UNet2DConditionModel.from_pretrained(plain / "unet").state_dict()
+    assert checkpoint.state_dict().keys() == reference.keys()
+    for name, value in checkpoint.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)

@@ -63,6 +63,7 @@ def test_compare_training_stock_and_patched_agree(tmp_path):
     assert result["max_loss_diff_first_10_steps"] <= 1e-5 * max(result["stock_losses"])
     assert result["stock_samples_per_s"] > 0 and result["patched_samples_per_s"] > 0
     assert sum(result["config"]["gn_patch"]["fused"].values()) > 0
+    assert result["config"]["fsdp2"] is False and result["config"]["gn_patch"]["channels_last_conv_weights"] > 0
 
     # The patched run's checkpoint is a stock diffusers UNet: same classes, same keys, every tensor written.
     patched = UNet2DConditionModel.from_pretrained(runs / "patched" / "unet")
@@ -133,10 +134,24 @@ def test_help():
     assert "--num-processes" in run("compare_training.py", "--help").stdout
 
 
-def test_scaling_against_one_gpu_result():
+def load_compare_training():
     spec = importlib.util.spec_from_file_location("compare_training", EXAMPLES / "compare_training.py")
     compare_training = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare_training)
+    return compare_training
+
+
+def test_launchers():
+    """One process runs plainly, several under accelerate; --fsdp2 needs a distributed launch even for one."""
+    launcher = load_compare_training().launcher
+    assert launcher(1, fsdp2=False) == [sys.executable]
+    assert launcher(1, fsdp2=True)[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    for fsdp2 in (False, True):
+        assert launcher(2, fsdp2)[1:] == ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+
+
+def test_scaling_against_one_gpu_result():
+    compare_training = load_compare_training()
     config = {"resolution": 512, "train_batch_size": 8, "mixed_precision": "bf16", "gn_patch": {"fused": {}}}
     one_gpu = {"config": dict(config, num_processes=1, global_batch_size=8), "stock_samples_per_s": 20.0,
                "patched_samples_per_s": 25.0, "commit": "c1"}
@@ -148,3 +163,33 @@ def test_scaling_against_one_gpu_result():
     other = dict(one_gpu, config=dict(one_gpu["config"], resolution=256))
     with pytest.raises(SystemExit, match="resolution"):
         compare_training.add_scaling(result, other)
+    # A one-GPU result from before --fsdp2 existed ran without it: it scales a run without FSDP2 only.
+    compare_training.add_scaling(dict(result, config=dict(result["config"], fsdp2=False)), one_gpu)
+    with pytest.raises(SystemExit, match="fsdp2"):
+        compare_training.add_scaling(dict(result, config=dict(result["config"], fsdp2=True)), one_gpu)
+
+
+@pytest.mark.gpu
+def test_compare_training_under_fsdp2(tmp_path):
+    """--fsdp2 goes to both runs (one process, under torchrun); accelerate shards each UNet with FSDP2 in bf16,
+    the patched one patched with channels_last="activations", and the patched checkpoint is a stock UNet."""
+    output, runs = tmp_path / "training.json", tmp_path / "runs"
+    run("compare_training.py", "--tiny", "--fsdp2", "--train-batch-size", 2, "--max-train-steps", 3,
+        "--mixed-precision", "bf16", "--output", output, "--work-dir", runs)
+    result = json.loads(output.read_text())
+    config = result["config"]
+    assert config["fsdp2"] is True and config["num_processes"] == 1 and config["mixed_precision"] == "bf16"
+    assert config["gn_patch"]["cuda_kernels"] is True
+    losses = result["stock_losses"] + result["patched_losses"]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    # The same weights, data and noise in bf16: the losses differ by bf16 rounding of the activations (~1%).
+    assert result["max_loss_diff_first_10_steps"] <= 0.05 * max(losses)
+
+    patched = UNet2DConditionModel.from_pretrained(runs / "patched" / "unet")
+    assert type(patched.mid_block.resnets[0]) is ResnetBlock2D
+    saved = load_file(runs / "patched" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(value.dtype == torch.float32 for value in saved.values())  # FSDP2's float32 master weights
+    stock = load_file(runs / "stock" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert saved.keys() == stock.keys() == patched.state_dict().keys()
+    # Three AdamW steps of lr 1e-5 from the same seeded weights (see test_compare_training_stock_and_patched_agree).
+    assert max((saved[name] - stock[name]).abs().max().item() for name in stock) < 1e-4

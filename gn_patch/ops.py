@@ -75,7 +75,10 @@ def canonical_activation(activation: str | None) -> str:
 
 
 def check_num_groups(num_groups) -> None:
-    """Raises TypeError unless num_groups is an int (not a bool), ValueError unless it is positive."""
+    """Raises TypeError unless num_groups is an int (not a bool), ValueError unless it is positive. Skipped while
+    torch.compile traces (a symbolic int is no int to Dynamo): the op's schema and C++ checks still apply."""
+    if torch.compiler.is_compiling():
+        return
     if isinstance(num_groups, bool) or not isinstance(num_groups, (int, torch.SymInt)):
         raise TypeError(f"gn_patch: num_groups must be an int, got {type(num_groups).__name__}")
     if num_groups <= 0:
@@ -83,7 +86,11 @@ def check_num_groups(num_groups) -> None:
 
 
 def check_eps(eps) -> None:
-    """Raises TypeError unless eps is a real number (not a bool), ValueError unless it is finite and >= 0."""
+    """Raises TypeError unless eps is a real number (not a bool), ValueError unless it is finite and >= 0. Skipped
+    while torch.compile traces (a symbolic float under dynamic=True would be traced through math.isfinite): the op's
+    schema and C++ checks still apply."""
+    if torch.compiler.is_compiling():
+        return
     if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
         raise TypeError(f"gn_patch: eps must be a float, got {type(eps).__name__}")
     if not (isinstance(eps, torch.SymFloat) or (math.isfinite(eps) and eps >= 0)):

@@ -50,11 +50,16 @@ def patch_pipeline(pipe, *, cuda_graph: bool = False, max_graphs: int = cuda_gra
         its ``cuda_graphs`` is the pipeline's live :class:`~gn_patch.cuda_graphs.CUDAGraphs` where it has graphs.
 
     Raises:
-        TypeError: ``pipe`` has no ``components`` dict (a single model: use patch_model).
-        ValueError: cuda_graph with a component offloaded by accelerate hooks, or a bad ``channels_last``;
-            nothing is changed then.
+        TypeError: ``pipe`` has no ``components`` dict (a single model: use patch_model), or ``max_graphs`` is
+            not an int.
+        ValueError: cuda_graph with a component offloaded by accelerate hooks, ``max_graphs`` < 1, or a bad
+            ``channels_last``; nothing is changed then.
     """
     _check_pipeline(pipe, "patch_pipeline")
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int):
+        raise TypeError(f"patch_pipeline: max_graphs must be an int, got {type(max_graphs).__name__}")
+    if max_graphs < 1:
+        raise ValueError(f"patch_pipeline: max_graphs must be at least 1, got {max_graphs}")
     if cuda_graph:
         cuda_graphs.graph_targets(pipe)  # refuses an offloaded pipeline before anything is patched
     report = PatchReport()

@@ -340,6 +340,16 @@ def test_op_empty_batch(ext):
     torch.library.opcheck(OP, (x, w, b, None, None, 4, 1e-5, "silu"))
 
 
+def test_public_function_compiles_with_symbolic_eps(host_path):
+    """gn_patch.group_norm_act under torch.compile(fullgraph=True, dynamic=True), where eps is a symbolic float:
+    the argument checks must not be traced (math.isfinite of a SymFloat is a graph break)."""
+    fn = lambda x, eps: gn_patch.group_norm_act(x, 2, eps=eps)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+    for eps in (1e-3, 1e-4):
+        torch.testing.assert_close(compiled(x, eps), fn(x, eps), rtol=0, atol=0)
+
+
 def test_compiled_backward_uses_the_backward_op(ext):
     """Under torch.compile the backward graph keeps the fused backward op (not a recomputation)."""
     from torch._dynamo.backends.common import aot_autograd

@@ -23,6 +23,7 @@ from peft.utils import get_peft_model_state_dict
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, PretrainedConfig, PreTrainedModel
 
+import gn_patch
 from gn_patch import configs, rules, surgeon
 from gn_patch.pipeline import patch_pipeline, unpatch_pipeline
 from gn_patch.surgeon import patch_model, unpatch_model
@@ -387,3 +388,12 @@ def test_txt2img_psnr():
     reference = np.zeros((1, 4, 4, 3), dtype=np.float32)
     assert example.psnr(reference, reference) == math.inf
     assert example.psnr(reference + 0.1, reference) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("max_graphs, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError)])
+def test_patch_pipeline_checks_max_graphs_before_patching(max_graphs, error):
+    pipe = tiny_sd_pipeline()
+    with pytest.raises(error, match="max_graphs"):
+        patch_pipeline(pipe, cuda_graph=True, max_graphs=max_graphs)
+    assert not any(isinstance(m, gn_patch.GroupNormAct) for m in pipe.unet.modules())
+    assert all(p.is_contiguous() for p in pipe.unet.parameters())

@@ -64,15 +64,6 @@ __device__ __forceinline__ void visit_pair(const Pack<T, V>& xp, const Pack<T, V
   }
 }
 
-template <typename T, int V, int U>
-__device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base, const Geometry& g,
-                                          const BlockCoord& b, int64_t u0, int64_t rows) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    if (u0 + u < rows) packs[u] = load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C);
-  }
-}
-
 template <int V>
 struct LaneSums {
   float2 acc[V];

@@ -286,6 +286,16 @@ __device__ __forceinline__ int64_t thread_row(const Geometry& g, const BlockCoor
   return b.row_begin + b.rowlane + u * g.block_rows;
 }
 
+// Loads this thread's rows u0, u0 + 1, ... (< rows) of its visit order into packs.
+template <typename T, int V, int U>
+__device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base, const Geometry& g,
+                                          const BlockCoord& b, int64_t u0, int64_t rows) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u0 + u < rows) packs[u] = load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C);
+  }
+}
+
 // Rows visited per batch by passes that stream (rows not resident): loads of a batch are issued together.
 constexpr int kStreamUnroll = 4;
 

@@ -46,16 +46,6 @@ __device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int 
   return Welford{k, mean, m2 < 0.f ? 0.f : m2, count};  // a select, not fmaxf: NaN propagates
 }
 
-// Loads this thread's rows u0, u0 + 1, ... (< rows) of its visit order into packs.
-template <typename T, int V, int U>
-__device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base, const Geometry& g,
-                                          const BlockCoord& b, int64_t u0, int64_t rows) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    if (u0 + u < rows) packs[u] = load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C);
-  }
-}
-
 // Statistics of the rows this thread streams (not resident), a batch of U rows in flight at a time.
 template <typename T, int V, int U>
 __device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry& g, const BlockCoord& b, int64_t rows) {

@@ -6,7 +6,7 @@ import torch
 from diffusers.models.normalization import AdaGroupNorm
 from diffusers.models.resnet import Conv1dBlock, ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
 
-from ..ops import group_norm_act
+from ..ops import _group_norm_act
 from .base import Surgery, rule, stands_in_for, verified
 from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs
 
@@ -40,7 +40,8 @@ class _FusedAdaGroupNorm(AdaGroupNorm):
         emb = self.linear(emb)
         emb = emb[:, :, None, None]
         scale, shift = emb.chunk(2, dim=1)
-        return group_norm_act(x, self.num_groups, eps=self.eps, activation=self.activation, scale=scale, shift=shift)
+        # The op layer, as GroupNormAct.forward: the arguments were checked and the activation made canonical once.
+        return _group_norm_act(x, self.num_groups, None, None, self.eps, self.activation, scale, shift)
 
 
 ACTIVATION_NORMS[AdaGroupNorm] = _FusedAdaGroupNorm

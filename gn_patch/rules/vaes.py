@@ -19,7 +19,7 @@ from diffusers.models.autoencoders import (autoencoder_kl_allegro as allegro, au
 from diffusers.pipelines.ltx import modeling_latent_upsampler as ltx_upsampler
 from diffusers.pipelines.ltx2 import latent_upsampler as ltx2_upsampler
 
-from ..ops import group_norm_act
+from ..ops import _group_norm_act
 from .base import rule, stands_in_for, verified
 from .fusion import ACTIVATION_NORMS, activation_function, fused_norm_alone, fusion, pairs
 
@@ -109,8 +109,8 @@ class _FusedMiniMaxH3VideoGroupNorm(minimax.MiniMaxH3VideoGroupNorm):
         batch_size, num_channels, num_frames, height, width = hidden_states.shape
         hidden_states = hidden_states.permute(0, 2, 1, 3, 4).reshape(batch_size * num_frames, num_channels, 1,
                                                                      height, width)
-        hidden_states = group_norm_act(hidden_states, self.num_groups, self.weight, self.bias, self.eps,
-                                       self.activation)
+        hidden_states = _group_norm_act(hidden_states, self.num_groups, self.weight, self.bias, self.eps,
+                                        self.activation)
         return hidden_states.reshape(batch_size, num_frames, num_channels, height, width).permute(0, 2, 1, 3, 4)
 
 

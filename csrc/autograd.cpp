@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 
 #include "aten_path.h"
@@ -188,6 +190,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                                                                        const OptTensor& bias, const OptTensor& scale,
                                                                        const OptTensor& shift, int64_t num_groups,
                                                                        double eps, c10::string_view activation) {
+  // Nothing to record (no_grad, as diffusers' pipelines run, or no input needing a gradient): the op runs below
+  // autograd without the Function's node and saved state. Forward-mode AD keeps the Function, which refuses it.
+  const std::array<const OptTensor*, 4> params = {&weight, &bias, &scale, &shift};
+  const bool needs_grad = at::GradMode::is_enabled() &&
+                          (x.requires_grad() || std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
+                             return p->has_value() && (*p)->requires_grad();
+                           }));
+  const bool forward_ad = x._fw_grad(/*level=*/0).defined() ||
+                          std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
+                            return p->has_value() && (*p)->_fw_grad(/*level=*/0).defined();
+                          });
+  if (!needs_grad && !forward_ad) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation);
+  }
   const variable_list out = GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation);
   return {out[0], out[1], out[2]};
 }

@@ -504,3 +504,19 @@ def test_export_keeps_the_op(kernel_path_on_cpu):
         assert_close(exported.module()(x), stock(x), **TOLERANCES[torch.float32], what="exported")
     assert _op_called(prof)
     assert "gn_patch.group_norm_act.default" in targets(exported.run_decompositions())
+
+
+def test_no_grad_runs_the_op_without_recording(kernel_path_on_cpu):
+    """Under no_grad (diffusers' pipelines) the kernels' op runs below autograd: same values, no graph; with a
+    gradient needed the autograd node is recorded and its gradients are those of the same op."""
+    x = random_input((2, 8, 4, 4), torch.float32, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    with torch.no_grad():
+        y = gn_patch.group_norm_act(x, 4, w, b)
+    assert y.grad_fn is None and not y.requires_grad
+    recorded = gn_patch.group_norm_act(x, 4, w, b)
+    assert recorded.grad_fn is not None
+    torch.testing.assert_close(y, recorded.detach(), rtol=0, atol=0)
+    frozen = gn_patch.group_norm_act(x.detach(), 4, w.detach(), b.detach())
+    assert frozen.grad_fn is None
+    torch.testing.assert_close(frozen, y, rtol=0, atol=0)

@@ -166,6 +166,14 @@ class _PooledGraph:
         self.graph = graph
 
 
+def check_max_graphs(max_graphs) -> None:
+    """Raises TypeError unless ``max_graphs`` is an int, ValueError unless it is at least 1."""
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int):
+        raise TypeError(f"max_graphs must be an int, got {type(max_graphs).__name__}")
+    if max_graphs < 1:
+        raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
+
+
 # ------------------------------------------------------------------------------------------------
 # Call signatures
 # ------------------------------------------------------------------------------------------------
@@ -455,8 +463,7 @@ class GraphedForward:
 
     def __init__(self, module: nn.Module, name: str, backend, max_graphs: int, events: deque,
                  owner: nn.Module | None = None) -> None:
-        if max_graphs < 1:
-            raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
+        check_max_graphs(max_graphs)
         previous = module.__dict__.get("forward")
         self.module, self.name = module, name
         self.captures = self.replays = 0

@@ -56,10 +56,7 @@ def patch_pipeline(pipe, *, cuda_graph: bool = False, max_graphs: int = cuda_gra
             ``channels_last``; nothing is changed then.
     """
     _check_pipeline(pipe, "patch_pipeline")
-    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int):
-        raise TypeError(f"patch_pipeline: max_graphs must be an int, got {type(max_graphs).__name__}")
-    if max_graphs < 1:
-        raise ValueError(f"patch_pipeline: max_graphs must be at least 1, got {max_graphs}")
+    cuda_graphs.check_max_graphs(max_graphs)
     if cuda_graph:
         cuda_graphs.graph_targets(pipe)  # refuses an offloaded pipeline before anything is patched
     report = PatchReport()

@@ -261,9 +261,11 @@ def test_least_recently_used_graph_is_dropped():
     assert any("graph dropped (least recently used of 2): x=(2, 4) float32" in e for e in graphed._events)
 
 
-def test_a_pool_without_live_graphs_is_replaced():
+def test_a_pool_without_live_graphs_is_replaced(monkeypatch):
     """CUDAGraphBackend shares a pool between live graphs only: a pool whose graphs are all gone is never captured
     into again (torch 2.11's allocator asserts then, as the H200 suite found after a recapture)."""
+    handles = iter((0, n) for n in range(1, 100))  # as torch.cuda.graph_pool_handle, which CPU builds lack
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
     backend, device = cuda_graphs.CUDAGraphBackend(), torch.device("cuda", 0)
     first = backend._pool(device)
     graph = cuda_graphs._PooledGraph(object())

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gn_patch import GroupNormAct
 from gn_patch.surgeon import patch_model, unpatch_model
@@ -185,7 +186,8 @@ def test_zoo_model_half_precision_cuda(name, dtype, no_tf32):
 
 def _block_cases():
     """Blocks whose fused paths the zoo's models take, with channels-last CUDA inputs: (module, inputs, output)."""
-    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXResnetBlock3D
+    from diffusers.models.attention_processor import SpatialNorm
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXResnetBlock3D, CogVideoXSpatialNorm3D
     from diffusers.models.autoencoders.autoencoder_kl_cosmos import CosmosResnetBlock3d
     from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoResnetBlockCausal3D
     from diffusers.models.autoencoders.autoencoder_kl_mochi import MochiResnetBlock3D
@@ -201,6 +203,14 @@ def _block_cases():
                                 video(2, 64, 5, 16, 16), lambda out: out[0]),
         "hunyuanvideo_resnet_5d": (HunyuanVideoResnetBlockCausal3D, dict(in_channels=64, out_channels=128),
                                    video(1, 64, 5, 16, 16), lambda out: out),
+        # spatial norms: norm_f * conv_y(zq) + conv_b(zq), the interpolated latent zq made channels-last like f
+        # (CogVideoX: an odd frame count interpolates the first frame apart)
+        "cogvideox_spatial_norm_5d": (CogVideoXSpatialNorm3D, dict(f_channels=64, zq_channels=16),
+                                      (video(1, 64, 5, 16, 16)[0], tiny_models.randn(1, 16, 3, 4, 4, seed=1)),
+                                      lambda out: out[0]),
+        "movq_spatial_norm": (SpatialNorm, dict(f_channels=64, zq_channels=16),
+                              (tiny_models.randn(2, 64, 16, 16).to(memory_format=torch.channels_last),
+                               tiny_models.randn(2, 16, 4, 4, seed=1)), lambda out: out),
         # Mochi's chunked GroupNorm: 10 frames make two chunks of (up to) 8
         "mochi_resnet_chunked": (MochiResnetBlock3D, dict(in_channels=64), video(1, 64, 10, 8, 8),
                                  lambda out: out[0]),
@@ -220,7 +230,8 @@ def _block_cases():
     }
 
 
-BLOCK_CASES = ("cogvideox_resnet_5d", "hunyuanvideo_resnet_5d", "mochi_resnet_chunked", "cosmos_resnet_causal",
+BLOCK_CASES = ("cogvideox_resnet_5d", "hunyuanvideo_resnet_5d", "cogvideox_spatial_norm_5d", "movq_spatial_norm",
+               "mochi_resnet_chunked", "cosmos_resnet_causal",
                "scale_shift_resnet", "kandinsky3_conditional", "conv1d_mish")
 
 
@@ -245,6 +256,47 @@ def test_fused_block_gradients_match_stock():
         actual = _forward_backward(module, inputs, output_of, torch.float32, "cpu")
         for index, (a, e) in enumerate(zip(actual, expected)):
             assert rel_l2(a, e) <= 1e-5, (case, index, rel_l2(a, e))
+
+
+def _conv_input(conv: torch.nn.Module, module: torch.nn.Module, *args) -> torch.Tensor:
+    """The input ``conv`` receives while ``module(*args)`` runs."""
+    seen = []
+    handle = conv.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0]))
+    try:
+        module(*args)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_video_vae_layout_edits_keep_channels_last():
+    """What keeps the video VAEs NDHWC end to end: a spatial norm hands conv_y the interpolated latent in f's
+    channels-last layout (its 1x1 convs follow their input's layout), and HunyuanVideo's causal convolution pads
+    channels_last_3d input into that layout, bitwise F.pad(mode="replicate"); NCDHW input keeps stock's path."""
+    from diffusers.models.attention_processor import SpatialNorm
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXSpatialNorm3D
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import HunyuanVideoCausalConv3d
+
+    for cls, f, memory_format, conv_y in (
+            (CogVideoXSpatialNorm3D, tiny_models.randn(1, 64, 4, 8, 8), torch.channels_last_3d,
+             lambda m: m.conv_y.conv),
+            (SpatialNorm, tiny_models.randn(1, 64, 8, 8), torch.channels_last, lambda m: m.conv_y)):
+        norm = make_model(cls, dict(f_channels=64, zq_channels=16))
+        zq = tiny_models.randn(*f.shape[:1], 16, *f.shape[2:-2], 4, 4, seed=1)
+        patch_model(norm)
+        for layout in (memory_format, torch.contiguous_format):
+            latent = _conv_input(conv_y(norm), norm, f.contiguous(memory_format=layout), zq)
+            assert latent.is_contiguous(memory_format=layout), (cls.__name__, layout)
+
+    conv = make_model(HunyuanVideoCausalConv3d, dict(in_channels=8, out_channels=8, kernel_size=3))
+    patch_model(conv)
+    x = tiny_models.randn(1, 8, 3, 5, 6)
+    for layout in (torch.channels_last_3d, torch.contiguous_format):
+        padded = _conv_input(conv.conv, conv, x.contiguous(memory_format=layout))
+        assert padded.is_contiguous(memory_format=layout)
+        assert torch.equal(padded, F.pad(x, conv.time_causal_padding, mode="replicate"))
+    unpatch_model(conv)
+    assert type(conv) is HunyuanVideoCausalConv3d
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ Each line declares what a forward of diffusers 0.42.1 does after its GroupNorms 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.autoencoders import (autoencoder_kl_allegro as allegro, autoencoder_kl_cogvideox as cogvideox,
                                            autoencoder_kl_cosmos as cosmos,
                                            autoencoder_kl_hunyuan_video as hunyuan_video,
@@ -20,16 +21,28 @@ from diffusers.pipelines.ltx import modeling_latent_upsampler as ltx_upsampler
 from diffusers.pipelines.ltx2 import latent_upsampler as ltx2_upsampler
 
 from ..ops import _group_norm_act
-from .base import rule, stands_in_for, verified
+from .base import forward_override_problem, rule, set_class, stands_in_for, unverified, verified
 from .fusion import ACTIVATION_NORMS, activation_function, fused_norm_alone, fusion, pairs
 
 _NORMS = {"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}
 _CONV_OUT = {"conv_norm_out": "conv_act"}
 
+# The latent a spatial norm interpolates to f's size (zq) arrives NCDHW/NCHW. Its conv_y and conv_b are 1x1(x1)
+# convolutions, whose channels-last weights are also contiguous, so cuDNN follows zq's layout and returns NCDHW:
+# `norm_f * conv_y + conv_b` then mixes layouts, which TensorIterator runs through its slow strided kernel (on the
+# H200, CogVideoX's decode spent 220 ms in those two ops, against 35 ms stock). Giving the interpolated zq (few
+# channels: a small copy) f's channels-last layout keeps the convs and the elementwise ops NDHWC/NHWC. The
+# interpolation itself stays on NCDHW input: PyTorch's channels-last nearest upsampling fails for outputs over
+# 2**31 elements (pytorch#141831), the reason diffusers makes its inputs contiguous.
+_ZQ_LIKE_F_3D = ".contiguous(memory_format=torch.channels_last_3d if f.stride(1) == 1 else torch.contiguous_format)"
+_ZQ_LIKE_F_2D = ".contiguous(memory_format=torch.channels_last if f.stride(1) == 1 else torch.contiguous_format)"
+
 # CogVideoX: the encoder's blocks take GroupNorms; the decoder's take CogVideoXSpatialNorm3D (norm * conv_y(zq) +
 # conv_b(zq), a modulation by a full tensor), whose GroupNorm runs alone.
 fusion(cogvideox.CogVideoXResnetBlock3D, "024ca7182ddaa74e", activations=_NORMS)
-fusion(cogvideox.CogVideoXSpatialNorm3D, "3e71f9b39e88e3a3", alone={"norm_layer"})
+fusion(cogvideox.CogVideoXSpatialNorm3D, "3e71f9b39e88e3a3", alone={"norm_layer"}, layout={
+    "zq = torch.cat([z_first, z_rest], dim=2)": "zq = torch.cat([z_first, z_rest], dim=2)" + _ZQ_LIKE_F_3D,
+    "zq = F.interpolate(zq, size=f.shape[-3:])": "zq = F.interpolate(zq, size=f.shape[-3:])" + _ZQ_LIKE_F_3D})
 pairs(cogvideox.CogVideoXEncoder3D, "0ec8a01c953cea50", {"norm_out": "conv_act"})
 
 # HunyuanVideo: each block starts with `hidden_states.contiguous()`, an NCDHW copy of channels_last_3d input.
@@ -39,6 +52,60 @@ fusion(hunyuan_video.HunyuanVideoResnetBlockCausal3D, "ac45584f70c52ac0", activa
         "else torch.contiguous_format)"})
 pairs(hunyuan_video.HunyuanVideoEncoder3D, "fe186d1d5223ce0f", _CONV_OUT)
 pairs(hunyuan_video.HunyuanVideoDecoder3D, "d1095b37b2235596", _CONV_OUT)
+
+# HunyuanVideo's causal convolutions pad with F.pad(mode="replicate"), whose CUDA kernel returns NCDHW from
+# channels_last_3d input and reads that input across its channel stride: on the H200 the padding took 58 ms of the
+# 146 ms decode, plus 29 ms for the convolution to convert its input back to NDHWC. The patched class pads a
+# channels_last_3d input by copies that keep its layout (the same values).
+verified(hunyuan_video.HunyuanVideoCausalConv3d.forward, "fc886fe0a66eb125")
+
+
+def replicate_pad_channels_last_3d(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    """``F.pad(x, pad, mode="replicate")`` for a 5-D ``x``, returned channels_last_3d: the input copied into the
+    middle of a new tensor, then each border filled from its edge slice (last dim, then height, then depth, so the
+    corners replicate as F.pad's do). Pure copies: bitwise the same values, gradients through autograd.
+
+    Args:
+        x: (N, C, D, H, W), any floating dtype and layout (channels_last_3d is the one it is for).
+        pad: (left, right, top, bottom, front, back), each >= 0, in F.pad's order (last dim first).
+    Returns:
+        (N, C, D + front + back, H + top + bottom, W + left + right), channels_last_3d.
+    """
+    left, right, top, bottom, front, back = pad
+    n, c, d, h, w = x.shape
+    out = torch.empty((n, c, d + front + back, h + top + bottom, w + left + right), dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last_3d)
+    frames, rows = slice(front, front + d), slice(top, top + h)
+    out[:, :, frames, rows, left:left + w] = x
+    out[:, :, frames, rows, :left] = x[..., :1]
+    out[:, :, frames, rows, left + w:] = x[..., -1:]
+    out[:, :, frames, :top] = out[:, :, frames, top:top + 1]
+    out[:, :, frames, top + h:] = out[:, :, frames, top + h - 1:top + h]
+    out[:, :, :front] = out[:, :, front:front + 1]
+    out[:, :, front + d:] = out[:, :, front + d - 1:front + d]
+    return out
+
+
+@stands_in_for(hunyuan_video.HunyuanVideoCausalConv3d)
+class _ChannelsLastHunyuanVideoCausalConv3d(hunyuan_video.HunyuanVideoCausalConv3d):
+    """HunyuanVideoCausalConv3d whose replicate padding of a channels_last_3d input keeps that layout."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        pad = self.time_causal_padding
+        if (self.pad_mode == "replicate" and hidden_states.dim() == 5 and hidden_states.stride(1) == 1
+                and not hidden_states.is_contiguous() and hidden_states.numel() > 0 and min(pad) >= 0):
+            hidden_states = replicate_pad_channels_last_3d(hidden_states, pad)
+        else:
+            hidden_states = F.pad(hidden_states, pad, mode=self.pad_mode)
+        return self.conv(hidden_states)
+
+
+@rule(hunyuan_video.HunyuanVideoCausalConv3d, _ChannelsLastHunyuanVideoCausalConv3d)
+def hunyuan_causal_conv(s, name, conv) -> None:
+    """Switch a stock HunyuanVideoCausalConv3d (its forward as read, no instance-level wrapper) to the class above."""
+    if (type(conv) is hunyuan_video.HunyuanVideoCausalConv3d and unverified(type(conv).forward) is None
+            and forward_override_problem(conv) is None):
+        set_class(conv, _ChannelsLastHunyuanVideoCausalConv3d)
 
 # Magvit (EasyAnimate): with spatial_group_norm the frames are folded into the batch around each norm.
 fusion(magvit.EasyAnimateResidualBlock3D, "1a2e2ce1efe4be1b", activations=_NORMS)
@@ -59,7 +126,9 @@ fusion(cosmos.CosmosCausalAttention, "e0d3e482769f3cd5", alone={"norm"})  # its 
 
 # KVAE (image): the decoder's blocks take spatial norms, like CogVideoX's.
 fusion(kvae.KVAEResnetBlock2D, "e309708cff41f518", activations=_NORMS)
-fusion(kvae.KVAEDecoderSpatialNorm2D, "488cd61acc1187db", alone={"norm_layer"})
+fusion(kvae.KVAEDecoderSpatialNorm2D, "488cd61acc1187db", alone={"norm_layer"}, layout={
+    "zq = F.interpolate(zq, size=f_first_size, mode='nearest')":
+        "zq = F.interpolate(zq, size=f_first_size, mode='nearest')" + _ZQ_LIKE_F_2D})
 pairs(kvae.KVAEEncoder2D, "ea7da2663494e056", {"norm_out": "nonlinearity"})
 
 # KVAE (video): cached GroupNorm wrappers; `nonlinearity(x)` is F.silu(x).

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gn_patch import configs
+from gn_patch.bench.results import commit_id
 from gn_patch.bench.timing import median_event_ms
 from gn_patch.surgeon import patch_model, unpatch_model
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(measure(name, args.repeats, lambda line: print(line, flush=True)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            json.dump({"commit": commit_id(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "cudnn": torch.backends.cudnn.version(), "cudnn_benchmark": args.cudnn_benchmark,
                        "results": results}, f, indent=1)
     return 0

@@ -89,7 +89,7 @@ def _layout_cases():
                            marks=gap if name in ACTIVATIONS_LAYOUT_GAPS else ())
 
 
-@pytest.mark.parametrize("name,channels_last", _layout_cases())
+@pytest.mark.parametrize("name,channels_last", list(_layout_cases()))
 def test_zoo_model_runs_channels_last(name, channels_last):
     """With cuDNN's convolution layouts (CudnnConv3dLayout), every fused norm gets channels-last input: from the
     channels_last conv weights, or (channels_last="activations", for FSDP2) from the inputs alone."""
@@ -152,7 +152,7 @@ def _mixed_layout_cases():
         yield pytest.param(name, marks=gap if name in MIXED_LAYOUT_GAPS else ())
 
 
-@pytest.mark.parametrize("name", _mixed_layout_cases())
+@pytest.mark.parametrize("name", list(_mixed_layout_cases()))
 def test_zoo_model_elementwise_ops_keep_one_layout(name, kernel_path_on_cpu):
     """With cuDNN's convolution layouts, no elementwise op of a patched model mixes channels-last and NCHW operands
     of one shape: where one did, PyTorch ran it with its strided kernel (CogVideoX's spatial norms spent 220 ms per

@@ -37,18 +37,32 @@ struct LaneConstants {
   __device__ __forceinline__ float xhat(float x) const { return (x - mean) * rstd; }
 };
 
-template <typename T, int V>
-__device__ __forceinline__ LaneConstants<V> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
+// (mean, rstd) of the thread's group.
+__device__ __forceinline__ float2 group_moments(const BackwardArgs& a, const BlockCoord& b) {
+  const int64_t ng = b.n * a.geo.G + b.group;
+  return b.active ? make_float2(a.mean[ng], a.rstd[ng]) : make_float2(0.f, 0.f);
+}
+
+// affine[j]: channel_affine of the thread's channel c0 + j.
+template <int V>
+__device__ __forceinline__ LaneConstants<V> lane_constants(float2 moments, const float2* affine) {
   LaneConstants<V> k;
-  k.mean = b.active ? a.mean[b.n * a.geo.G + b.group] : 0.f;
-  k.rstd = b.active ? a.rstd[b.n * a.geo.G + b.group] : 0.f;
+  k.mean = moments.x;
+  k.rstd = moments.y;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const ChannelParams p = load_channel_params<T>(a, b.n, b.c0 + j);
-    k.gamma[j] = p.weight * p.modulation;
-    k.delta[j] = fmaf(p.bias, p.modulation, p.shift);
+    k.gamma[j] = affine[j].x;
+    k.delta[j] = affine[j].y;
   }
   return k;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ LaneConstants<V> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
+  float2 affine[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) affine[j] = channel_affine<T>(a, b.n, b.c0 + j);
+  return lane_constants<V>(group_moments(a, b), affine);
 }
 
 template <typename T, int V, Act A, typename Visit>
@@ -137,7 +151,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T));
   __shared__ float2 items[kMaxThreads * V];        // the threads' lane sums; then the tile's channel totals
   __shared__ float2 block_sums[kMaxTileChannels];  // per tile channel: read by the cluster's blocks
-  __shared__ float gamma_smem[kMaxTileChannels];   // gamma per tile channel
+  __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
   __shared__ float2 group_coef[kMaxThreads];       // (mean_g(gamma du), mean_g(gamma du xhat)) per tile group
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g);
@@ -145,17 +159,18 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   const T* x = static_cast<const T*>(a.x) + offset;
   const T* dy = static_cast<const T*>(a.dy) + offset;
   const int64_t rows = thread_rows(g, b);
-  const LaneConstants<V> k = lane_constants<T, V>(a, b);
-  if (b.active && b.rowlane == 0) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) gamma_smem[b.col * V + j] = k.gamma[j];
-  }
 
-  LaneSums<V> sums;
   Pack<T, V> xs[kRows], dys[kRows];  // resident rows, kept for dx
   if (g.resident) {
     load_rows<T, V, kRows>(xs, x, g, b, 0, rows);
     load_rows<T, V, kRows>(dys, dy, g, b, 0, rows);
+  }
+  const float2 moments = group_moments(a, b);
+  load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows
+  __syncthreads();
+  const LaneConstants<V> k = lane_constants<V>(moments, &tile_affine[b.col * V]);
+  LaneSums<V> sums;
+  if (g.resident) {
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
       if (u < rows) visit_pair<T, V, A>(xs[u], dys[u], k, sums);
@@ -183,7 +198,8 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
       float2 s = make_float2(0.f, 0.f);
       for (int c = lane; c < g.D; c += 32) {
         const int ch = gl * (int)g.D + c;
-        s = add2(s, make_float2(gamma_smem[ch] * items[ch].x, gamma_smem[ch] * items[ch].y));
+        const float gamma = tile_affine[ch].x;
+        s = add2(s, make_float2(gamma * items[ch].x, gamma * items[ch].y));
       }
       s = lanes_reduce(s, 32, add2);
       if (lane == 0) group_coef[gl] = make_float2(s.x * inv_m, s.y * inv_m);

@@ -140,11 +140,34 @@ __device__ __forceinline__ unsigned short float_to_bits<__nv_bfloat16>(float v) 
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
-// V elements read or written as one access (16 bytes when V * sizeof(T) == 16).
+// V elements read or written as one access (16 bytes when V * sizeof(T) == 16), held as 32-bit words (two 16-bit
+// elements per word) wherever the pack has 4 bytes or more: with one 16-bit member per element, a pack was split
+// into a register per element and the resident rows spilled to local memory.
+template <int Bytes>
+struct PackWords {
+  unsigned int w[Bytes / 4];
+};
+template <>
+struct PackWords<2> {
+  unsigned short w[1];
+};
+
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Pack {
-  typename Bits<T>::type v[V];
+  static constexpr int kPerWord = sizeof(T) * V < 4 ? 1 : 4 / (int)sizeof(T);  // elements per word
+  PackWords<sizeof(T) * V> bits;
 };
+
+// The bits of element j.
+template <typename T, int V>
+__device__ __forceinline__ typename Bits<T>::type pack_element(const Pack<T, V>& pack, int j) {
+  constexpr int kPerWord = Pack<T, V>::kPerWord;
+  if constexpr (kPerWord == 1) {
+    return pack.bits.w[j];
+  } else {
+    return (typename Bits<T>::type)(pack.bits.w[j / kPerWord] >> (16 * (j % kPerWord)));
+  }
+}
 
 template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
@@ -154,14 +177,20 @@ __device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
 template <typename T, int V>
 __device__ __forceinline__ void unpack(const Pack<T, V>& pack, float (&out)[V]) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = bits_to_float<T>(pack.v[j]);
+  for (int j = 0; j < V; ++j) out[j] = bits_to_float<T>(pack_element(pack, j));
 }
 
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const float (&in)[V]) {
+  constexpr int kPerWord = Pack<T, V>::kPerWord;
   Pack<T, V> pack;
 #pragma unroll
-  for (int j = 0; j < V; ++j) pack.v[j] = float_to_bits<T>(in[j]);
+  for (int i = 0; i < V / kPerWord; ++i) {
+    unsigned int word = 0;
+#pragma unroll
+    for (int k = 0; k < kPerWord; ++k) word |= (unsigned int)float_to_bits<T>(in[i * kPerWord + k]) << (16 * k);
+    pack.bits.w[i] = word;
+  }
   *reinterpret_cast<Pack<T, V>*>(p) = pack;
 }
 
@@ -186,6 +215,24 @@ __device__ __forceinline__ ChannelParams load_channel_params(const Args& a, int6
   p.modulation = 1.f + load_param<T>(a.scale, a.modulation_fp32, n * a.geo.C + c, 0.f);
   p.shift = load_param<T>(a.shift, a.modulation_fp32, n * a.geo.C + c, 0.f);
   return p;
+}
+
+// The affine map of channel c of image n folded into u = xhat * gamma + beta: gamma = weight * (1 + scale),
+// beta = bias * (1 + scale) + shift. Both passes use it (.x = gamma, .y = beta).
+template <typename T, typename Args>
+__device__ __forceinline__ float2 channel_affine(const Args& a, int64_t n, int64_t c) {
+  const ChannelParams p = load_channel_params<T>(a, n, c);
+  return make_float2(p.weight * p.modulation, fmaf(p.bias, p.modulation, p.shift));
+}
+
+// channel_affine of every channel of the block's tile -> out[tile channel], visible after the next barrier. The
+// block loads them once (a few threads, one channel each) instead of every thread loading its vector's V channels
+// (4 V dependent, branchy loads on the critical path of the small kernels).
+template <typename T, typename Args>
+__device__ __forceinline__ void load_tile_affine(const Args& a, int64_t n, int64_t tile, float2* out) {
+  const int channels = a.geo.tile_vecs * a.geo.vec;
+  const int64_t c0 = tile * a.geo.groups_per_tile * a.geo.D;
+  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) out[ch] = channel_affine<T>(a, n, c0 + ch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,7 +339,8 @@ __device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base,
                                           const BlockCoord& b, int64_t u0, int64_t rows) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if (u0 + u < rows) packs[u] = load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C);
+    // Rows past the end read as zeros: an array left partly unassigned went to local memory.
+    packs[u] = u0 + u < rows ? load_pack<T, V>(base + thread_row(g, b, u0 + u) * g.C) : Pack<T, V>{};
   }
 }
 

@@ -18,8 +18,6 @@
 namespace gn_patch {
 namespace {
 
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 // Statistics of the first `rows` of U packs in one pass over the registers: sums of the deviations from the
 // batch's first element k (the reference), mean = k + s1 / n, m2 = s2 - s1^2 / n. The deviations stay within the
 // batch's own spread, so neither a large common offset nor an outlier cancels: the rounding error of m2 is a few
@@ -27,7 +25,7 @@ __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefe
 template <typename T, int V, int U>
 __device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int rows) {
   if (rows == 0) return Welford{};
-  const float k = bits_to_float<T>(packs[0].v[0]);
+  const float k = bits_to_float<T>(pack_element(packs[0], 0));
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -58,37 +56,24 @@ __device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry&
   return w;
 }
 
-// The affine parameters are read after the reductions; fetching them now takes their latency off that path.
-template <typename T>
-__device__ __forceinline__ void prefetch_params(const ForwardArgs& a, const BlockCoord& b) {
-  if (!b.active) return;
-  const int64_t param = b.c0 * (a.params_fp32 ? 4 : sizeof(T));
-  const int64_t sample = (b.n * a.geo.C + b.c0) * (a.modulation_fp32 ? 4 : sizeof(T));
-  if (a.weight) prefetch_l1(static_cast<const char*>(a.weight) + param);
-  if (a.bias) prefetch_l1(static_cast<const char*>(a.bias) + param);
-  if (a.scale) prefetch_l1(static_cast<const char*>(a.scale) + sample);
-  if (a.shift) prefetch_l1(static_cast<const char*>(a.shift) + sample);
-}
-
-// y = act((x - ref) * scale + shift) per lane, folding rstd, the mean offset, the affine parameters and the
-// modulation; `stats` = (ref, mean offset, rstd) of the thread's group.
-template <typename T, int V>
+// y = act((x - ref) * scale + shift) per lane, folding rstd and the mean offset into the channels' affine maps;
+// `stats` = (ref, mean offset, rstd) of the thread's group, affine[j] = channel_affine of its vector's channel j.
+template <int V>
 struct LaneAffine {
   float ref, scale[V], shift[V];
 
-  __device__ __forceinline__ LaneAffine(const ForwardArgs& a, const BlockCoord& b, float4 stats) : ref(stats.x) {
+  __device__ __forceinline__ LaneAffine(float4 stats, const float2* affine) : ref(stats.x) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const ChannelParams p = load_channel_params<T>(a, b.n, b.c0 + j);
-      const float s = stats.z * p.weight;
-      scale[j] = s * p.modulation;
-      shift[j] = fmaf(p.bias - stats.y * s, p.modulation, p.shift);
+      const float2 p = affine[j];
+      scale[j] = stats.z * p.x;
+      shift[j] = fmaf(-stats.y, scale[j], p.y);
     }
   }
 };
 
 template <typename T, int V, Act A>
-__device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, const LaneAffine<T, V>& l) {
+__device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, const LaneAffine<V>& l) {
   float v[V];
   unpack<T, V>(pack, v);
 #pragma unroll
@@ -98,7 +83,7 @@ __device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, con
 
 template <typename T, int V, Act A>
 __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
-                                                   int64_t rows, const LaneAffine<T, V>& l) {
+                                                   int64_t rows, const LaneAffine<V>& l) {
   for (int64_t u0 = 0; u0 < rows; u0 += kStreamUnroll) {
     Pack<T, V> batch[kStreamUnroll];
     load_rows<T, V, kStreamUnroll>(batch, x, g, b, u0, rows);
@@ -126,20 +111,16 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   __shared__ Welford partial[kMaxThreads];
   __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
   __shared__ float4 group_stats[kMaxThreads];   // per tile group: (reference, mean offset, rstd)
+  __shared__ float2 tile_affine[kMaxTileChannels];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const int64_t rows = thread_rows(g, b);
-  prefetch_params<T>(a, b);
 
   Pack<T, V> packs[kRows];  // resident rows
-  Welford w;
-  if (g.resident) {
-    load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
-    w = rows_stats<T, V, kRows>(packs, (int)rows);
-  } else {
-    w = streamed_stats<T, V, kRows>(x, g, b, rows);
-  }
+  if (g.resident) load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
+  load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
+  const Welford w = g.resident ? rows_stats<T, V, kRows>(packs, (int)rows) : streamed_stats<T, V, kRows>(x, g, b, rows);
   block_group_stats(w, items, partial, block_stats, g);
   cluster_sync(g.cluster());
   if (threadIdx.x < g.groups_per_tile) {
@@ -152,7 +133,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   __syncthreads();
 
   if (b.active) {
-    const LaneAffine<T, V> l(a, b, group_stats[b.group_local]);
+    const LaneAffine<V> l(group_stats[b.group_local], &tile_affine[b.col * V]);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
     if (g.resident) {
 #pragma unroll
@@ -208,7 +189,10 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
   const BlockCoord b = block_coord(g, /*reverse=*/true);
   if (!b.active) return;  // no barriers in this kernel
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  const LaneAffine<T, V> l(a, b, reinterpret_cast<const float4*>(a.group_stats)[b.n * g.G + b.group]);
+  float2 affine[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) affine[j] = channel_affine<T>(a, b.n, b.c0 + j);
+  const LaneAffine<V> l(reinterpret_cast<const float4*>(a.group_stats)[b.n * g.G + b.group], affine);
   normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<T*>(a.y) + offset, g, b,
                               thread_rows(g, b), l);
 }

@@ -76,11 +76,12 @@ struct Geometry {
   GN_PATCH_HOST_DEVICE int cluster() const { return clustered ? (int)splits : 1; }
 };
 
-// Rows a thread keeps in registers: up to 32 registers of data and 16 rows in the forward, up to 16 registers
-// and 8 rows each of x and dy in the backward (row addresses and lane constants take registers too).
+// Rows a thread keeps in registers: up to 24 registers of data and 16 rows in the forward, up to 16 registers
+// and 8 rows each of x and dy in the backward (row addresses and lane constants take registers too). With 32
+// registers of 16-byte rows the forward spilled rows to local memory under its 80-register cap (ptxas -v).
 constexpr int pack_registers(int vec_bytes) { return vec_bytes < 4 ? 1 : vec_bytes / 4; }
 constexpr int resident_rows(Pass pass, int vec_bytes) {
-  const int rows = (pass == Pass::kForward ? 32 : 16) / pack_registers(vec_bytes);
+  const int rows = (pass == Pass::kForward ? 24 : 16) / pack_registers(vec_bytes);
   const int cap = pass == Pass::kForward ? 16 : 8;
   return rows < cap ? rows : cap;
 }

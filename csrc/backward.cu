@@ -12,7 +12,8 @@
 // Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
 // (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
-// fixed order. No atomics: gradients are bitwise deterministic.
+// fixed order, unless one cluster holds all the images of a tile (Geometry::images): its first block then sums
+// them through distributed shared memory. No atomics: gradients are bitwise deterministic.
 #include "launch.cuh"
 #include "reduce.cuh"
 
@@ -140,10 +141,26 @@ __device__ __forceinline__ void store_param_grads(const BackwardArgs& a, int64_t
   if (a.dscale) store_param<T>(a.dscale, a.modulation_fp32, nc, fmaf(p.weight, s.y, p.bias * s.x));
   if (a.param_sums) {
     reinterpret_cast<float2*>(a.param_sums)[nc] = make_float2(p.modulation * s.x, p.modulation * s.y);
-  } else {
+  } else if (a.geo.images == 1) {  // else store_summed_param_grads writes them
     if (a.dweight) store_param<T>(a.dweight, a.params_fp32, c, p.modulation * s.y);
     if (a.dbias) store_param<T>(a.dbias, a.params_fp32, c, p.modulation * s.x);
   }
+}
+
+// dweight[c] and dbias[c] over the images of a cluster that holds them all (Geometry::images == N), in image order:
+// sum_n m[n, c] * (image n's channel totals, the sums of its splits' `local` entries). Before cluster_arrive.
+template <typename T>
+__device__ __forceinline__ void store_summed_param_grads(const BackwardArgs& a, int64_t c, float2* local,
+                                                          const Geometry& g) {
+  if (a.dweight == nullptr && a.dbias == nullptr) return;
+  float2 total = make_float2(0.f, 0.f);
+  for (int64_t n = 0; n < g.images; ++n) {
+    const float2 s = cluster_reduce(local, g.cluster(), (int)(n * g.splits), (int)g.splits, add2);
+    const float m = 1.f + load_param<T>(a.scale, a.modulation_fp32, n * g.C + c, 0.f);
+    total = make_float2(fmaf(m, s.x, total.x), fmaf(m, s.y, total.y));
+  }
+  if (a.dweight) store_param<T>(a.dweight, a.params_fp32, c, total.y);
+  if (a.dbias) store_param<T>(a.dbias, a.params_fp32, c, total.x);
 }
 
 template <typename T, int V, Act A>
@@ -154,7 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
   __shared__ float2 group_coef[kMaxThreads];       // (mean_g(gamma du), mean_g(gamma du xhat)) per tile group
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g);
+  const BlockCoord b = block_coord(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
   const T* x = static_cast<const T*>(a.x) + offset;
   const T* dy = static_cast<const T*>(a.dy) + offset;
@@ -181,14 +198,21 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   block_channel_sums<V>(sums.acc, items, block_sums, g);
   cluster_sync(g.cluster());
   const int channels = g.tile_vecs * g.vec;
+  const int64_t tile_c0 = b.tile * g.groups_per_tile * g.D;
+  // This image's channel totals: the sums of its splits (cluster ranks image_rank0, ...; see Geometry::images).
+  const int image_rank0 = g.images > 1 ? (int)(b.n * g.splits) : 0;
   for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
-    items[ch] = cluster_reduce(&block_sums[ch], g.cluster(), add2);
+    items[ch] = cluster_reduce(&block_sums[ch], g.cluster(), image_rank0, (int)g.splits, add2);
+  }
+  if (g.images > 1 && b.n == 0 && b.rank == 0) {  // the cluster's first block: weight and bias over the images
+    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+      store_summed_param_grads<T>(a, tile_c0 + ch, block_sums + ch, g);
+    }
   }
   cluster_arrive(g.cluster());
   __syncthreads();
 
-  if (b.rank == 0) {  // the parameter gradients of image n: one block of the cluster writes them
-    const int64_t tile_c0 = b.tile * g.groups_per_tile * g.D;
+  if (b.rank == 0) {  // the parameter gradients of image n: one block of the image's splits writes them
     for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) store_param_grads<T>(a, b.n, tile_c0 + ch, items[ch]);
   }
   if (a.dx) {  // uniform across the grid

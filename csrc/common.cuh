@@ -285,7 +285,8 @@ __device__ __forceinline__ Acc lanes_reduce(Acc v, int width, Combine combine) {
 
 // ---------------------------------------------------------------------------------------------
 // Block coordinates: a 1-D grid of N * tiles * splits blocks (64-bit safe), split fastest so that the blocks of
-// one (n, tile) are consecutive (and form one thread-block cluster when clustered). `reverse` walks the grid
+// one (n, tile) are consecutive (and form one thread-block cluster when clustered; with Geometry::images > 1 the
+// images of a tile are next fastest, and the cluster holds all of them). `reverse` walks the grid
 // last-to-first, so that a second pass starts on the rows the first pass left in L2.
 // ---------------------------------------------------------------------------------------------
 struct BlockCoord {
@@ -302,21 +303,25 @@ struct BlockCoord {
   int64_t row_end;
 };
 
-__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse = false) {
+// `image_clusters`: the kernel takes geometries with Geometry::images > 1 (the clustered backward).
+__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse = false, bool image_clusters = false) {
   BlockCoord b;
-  // 32-bit division (the grid has fewer than 2^31 blocks): 64-bit division is a long emulated sequence, on the
-  // critical path of the small kernels.
   const unsigned bid = reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const unsigned splits = (unsigned)g.splits, tiles = (unsigned)g.tiles;
-  b.rank = bid % splits;
-  b.tile = bid / splits % tiles;
-  b.n = bid / splits / tiles;
-  b.col = threadIdx.x % g.tile_vecs;
-  b.rowlane = threadIdx.x / g.tile_vecs;
+  const unsigned split_major = g.div_splits.div(bid);  // n * tiles + tile, or tile * N + n (Geometry::images)
+  b.rank = bid - split_major * (unsigned)g.splits;
+  if (image_clusters && g.images > 1) {
+    b.tile = g.div_images.div(split_major);
+    b.n = split_major - (unsigned)b.tile * (unsigned)g.images;
+  } else {
+    b.n = g.div_tiles.div(split_major);
+    b.tile = split_major - (unsigned)b.n * (unsigned)g.tiles;
+  }
+  b.rowlane = (int)g.div_tile_vecs.div(threadIdx.x);
+  b.col = threadIdx.x - b.rowlane * g.tile_vecs;
   b.active = b.rowlane < g.block_rows;
-  b.group_local = b.col / g.vecs_per_group;
+  b.group_local = (int)g.div_vecs_per_group.div(b.col);
   b.group = b.tile * g.groups_per_tile + b.group_local;
-  b.c0 = b.group * g.D + (int64_t)(b.col % g.vecs_per_group) * g.vec;
+  b.c0 = b.group * g.D + (int64_t)(b.col - b.group_local * g.vecs_per_group) * g.vec;
   b.row_begin = b.rank * g.rows_per_block;
   b.row_end = min(b.row_begin + g.rows_per_block, g.S);
   return b;
@@ -325,7 +330,9 @@ __device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool revers
 // Rows this thread visits: rowlane, rowlane + block_rows, ... of the block's range.
 __device__ __forceinline__ int64_t thread_rows(const Geometry& g, const BlockCoord& b) {
   const int64_t first = b.row_begin + b.rowlane;
-  return b.active && first < b.row_end ? (b.row_end - 1 - first) / g.block_rows + 1 : 0;
+  if (!b.active || first >= b.row_end) return 0;
+  const int64_t span = b.row_end - 1 - first;  // < rows_per_block
+  return (span < (int64_t{1} << 31) ? (int64_t)g.div_block_rows.div((uint32_t)span) : span / g.block_rows) + 1;
 }
 
 // Row r of this thread's u-th visit (rows rowlane, rowlane + block_rows, ... of the block's range).

@@ -37,6 +37,33 @@ struct DeviceLimits {
   int max_cluster = 1;  // 1: no thread-block clusters (before sm_90)
 };
 
+// Division of an unsigned n < 2^31 by a fixed divisor d (1 <= d < 2^31) as a multiply-high, an add and a shift
+// (Granlund & Montgomery 1994, "Division by invariant integers using multiplication", the round-up method): with
+// l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, n / d = (mulhi(n, m) + n) >> l. The kernels' block and
+// thread coordinates divide by geometry values known only at run time, where the GPU's integer division is a
+// sequence of ~15 instructions on the critical path of the small kernels.
+struct FastDivider {
+  uint32_t divisor = 1;
+  uint32_t magic = 1;
+  uint32_t shift = 0;
+
+  static FastDivider of(uint32_t d) {
+    FastDivider f;
+    f.divisor = d;
+    while (f.shift < 32 && (uint64_t{1} << f.shift) < d) ++f.shift;
+    f.magic = (uint32_t)(((uint64_t{1} << 32) * ((uint64_t{1} << f.shift) - d)) / d + 1);
+    return f;
+  }
+  GN_PATCH_HOST_DEVICE uint32_t div(uint32_t n) const {
+#ifdef __CUDA_ARCH__
+    const uint32_t high = __umulhi(n, magic);
+#else
+    const uint32_t high = (uint32_t)(((uint64_t)n * magic) >> 32);
+#endif
+    return (high + n) >> shift;
+  }
+};
+
 // Which pass a geometry is for: the two hold different data per thread in registers.
 enum class Pass : int { kForward = 0, kBackward = 1 };
 
@@ -69,11 +96,17 @@ struct Geometry {
   int64_t rows_per_block = 0;
   int64_t rows_per_thread = 0;  // the most rows one thread visits
   bool resident = false;
+  // Images per cluster, 1 or N (backward only): the blocks of all N images of a tile form one cluster, which sums
+  // the weight and bias gradients over the images itself (else a second kernel does). Blocks are then ordered
+  // (tile, n, split) instead of (n, tile, split).
+  int64_t images = 1;
+  // Dividers by splits, tiles, images, tile_vecs, vecs_per_group and block_rows (geometry.cpp's with_dividers).
+  FastDivider div_splits, div_tiles, div_images, div_tile_vecs, div_vecs_per_group, div_block_rows;
 
   int threads() const { return (tile_vecs * block_rows + 31) / 32 * 32; }
   int64_t blocks() const { return N * tiles * splits; }
   // Blocks per thread-block cluster (1: no cluster).
-  GN_PATCH_HOST_DEVICE int cluster() const { return clustered ? (int)splits : 1; }
+  GN_PATCH_HOST_DEVICE int cluster() const { return clustered ? (int)(splits * images) : 1; }
 };
 
 // Rows a thread keeps in registers: up to 24 registers of data and 16 rows in the forward, up to 16 registers
@@ -134,7 +167,8 @@ struct BackwardArgs {
   void* dbias;         // nullptr: not required; else bias's dtype, (C,)
   void* dscale;        // nullptr: not required; else scale's dtype, (N, C)
   void* dshift;        // nullptr: not required; else shift's dtype, (N, C)
-  float* param_sums;   // (N, C) pairs (sum du * m, sum du * m * xhat) for dweight/dbias when N > 1, else nullptr
+  float* param_sums;   // (N, C) pairs (sum du * m, sum du * m * xhat) for dweight/dbias when N > 1 and the
+                       // images are not in one cluster (Geometry::images), else nullptr
   // Unclustered splits only (else nullptr): (N, splits, C) pairs of channel sums (sum du, sum du * xhat), then
   // (N, G) pairs of dx coefficients.
   float* channel_partials;

@@ -188,9 +188,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_nor
   a.dbias = need_db ? dbias.data_ptr() : nullptr;
   a.dscale = need_dscale ? dscale.data_ptr() : nullptr;
   a.dshift = need_dshift ? dshift.data_ptr() : nullptr;
-  // One scratch allocation: [param sums (N, C) pairs, summed over N by a second kernel, when N > 1 |
+  // One scratch allocation: [param sums (N, C) pairs, summed over N by a second kernel, when N > 1 and the images
+  // are not in one cluster |
   // unclustered: channel partials (N, splits, C) pairs | dx coefficients (N, G) pairs].
-  const int64_t n_params = N > 1 && (need_dw || need_db) ? N * C * 2 : 0;
+  const int64_t n_params = N > 1 && a.geo.images == 1 && (need_dw || need_db) ? N * C * 2 : 0;
   const int64_t n_partials = a.geo.clustered ? 0 : N * a.geo.splits * C * 2;
   const int64_t n_coeffs = a.geo.clustered ? 0 : N * num_groups * 2;
   at::Tensor scratch = at::empty({n_params + n_partials + n_coeffs}, input.options().dtype(at::kFloat));

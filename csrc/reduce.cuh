@@ -9,7 +9,8 @@
 namespace gn_patch {
 
 // Per-group totals of a block. Thread t contributes `w` (its group's statistics over its rows); afterwards, for
-// gl < groups_per_tile, out[gl] holds the block's total of tile group gl (valid after a barrier).
+// gl < groups_per_tile, out[gl] holds the block's total of tile group gl (written by thread gl: valid for the
+// other threads after a barrier).
 // items and partial: kMaxThreads entries of shared memory. Warps share out the groups; a group's
 // vecs_per_group * block_rows items are read by all the warps assigned to it and combined by butterflies.
 __device__ __forceinline__ void block_group_stats(const Welford& w, Welford* items, Welford* partial, Welford* out,
@@ -27,7 +28,7 @@ __device__ __forceinline__ void block_group_stats(const Welford& w, Welford* ite
     Welford acc{};
     if (on) {
       for (int i = part * 32 + lane; i < per_group; i += warps_per_group * 32) {
-        const int rowlane = i / g.vecs_per_group;
+        const int rowlane = (int)g.div_vecs_per_group.div(i);
         const int k = i - rowlane * g.vecs_per_group;
         acc = welford_combine(acc, items[rowlane * g.tile_vecs + gl * g.vecs_per_group + k]);
       }
@@ -92,30 +93,37 @@ __device__ __forceinline__ void cluster_sync(int cluster) {
   __syncthreads();
 }
 
-// Combines in rank order `*local` of every block of the cluster (the same result in every block). The remote loads
-// go out four at a time: one distributed-shared-memory round trip per four blocks.
+// Combines in rank order `*local` of the cluster's blocks first, first + 1, ..., first + count - 1 (the same
+// result in every block that asks). The remote loads go out four at a time: one distributed-shared-memory round
+// trip per four blocks. Without a cluster (cluster == 1): *local.
 template <typename Acc, typename Combine>
-__device__ __forceinline__ Acc cluster_reduce(Acc* local, int cluster, Combine combine) {
+__device__ __forceinline__ Acc cluster_reduce(Acc* local, int cluster, int first, int count, Combine combine) {
 #if GN_PATCH_CLUSTERS
   if (cluster > 1) {
     constexpr int kBatch = 4;
     const cooperative_groups::cluster_group group = cooperative_groups::this_cluster();
     Acc acc{};
-    for (int r0 = 0; r0 < cluster; r0 += kBatch) {  // cluster is a power of two >= 2
+    for (int r0 = 0; r0 < count; r0 += kBatch) {
       Acc part[kBatch];
 #pragma unroll
       for (int r = 0; r < kBatch; ++r) {
-        if (r0 + r < cluster) part[r] = *group.map_shared_rank(local, r0 + r);
+        if (r0 + r < count) part[r] = *group.map_shared_rank(local, first + r0 + r);
       }
 #pragma unroll
       for (int r = 0; r < kBatch; ++r) {
-        if (r0 + r < cluster) acc = r0 + r == 0 ? part[r] : combine(acc, part[r]);
+        if (r0 + r < count) acc = r0 + r == 0 ? part[r] : combine(acc, part[r]);
       }
     }
     return acc;
   }
 #endif
   return *local;
+}
+
+// Every block of the cluster.
+template <typename Acc, typename Combine>
+__device__ __forceinline__ Acc cluster_reduce(Acc* local, int cluster, Combine combine) {
+  return cluster_reduce(local, cluster, 0, cluster, combine);
 }
 
 // The peers have finished reading this block's shared memory: arrive after the last remote read, wait before the

@@ -23,6 +23,22 @@ bool fail(const char* what, const Geometry& g, int elem, long long alignment, in
   return false;
 }
 
+// The divider's quotients at the edges of its range: around multiples of the divisor and up to 2^31 - 1.
+bool divides_exactly(const gn_patch::FastDivider& f, long long d) {
+  if (f.divisor != d) return false;
+  const long long top = (1LL << 31) - 1;
+  for (long long n : {0LL, 1LL, d - 1, d, d + 1, 2 * d - 1, 2 * d, 255LL, 256LL, 1000003LL, top - d, top - 1, top}) {
+    if (n < 0 || n > top) continue;
+    if (f.div((uint32_t)n) != (uint32_t)(n / d)) return false;
+  }
+  for (long long q = 1; q * d <= top; q = q * 3 + 1) {  // n = q d - 1, q d, q d + 1 over the range
+    for (long long n : {q * d - 1, q * d, q * d + 1}) {
+      if (n <= top && f.div((uint32_t)n) != (uint32_t)(n / d)) return false;
+    }
+  }
+  return true;
+}
+
 bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_cluster) {
   ++checked;
   auto bad = [&](const char* what) { return fail(what, g, elem, alignment, max_cluster); };
@@ -39,12 +55,22 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
   if ((long long)g.block_rows * g.rows_per_thread < g.rows_per_block) return bad("threads cover the block's rows");
   if (g.blocks() >= (1LL << 31)) return bad("grid size");
   if (g.clustered) {
-    if (g.splits > max_cluster || (g.splits & (g.splits - 1))) return bad("cluster: a power of two within the limit");
+    if (g.cluster() > max_cluster || (g.cluster() & (g.cluster() - 1)))
+      return bad("cluster: a power of two within the limit");
+    if (g.images != 1 && (g.images != g.N || pass != Pass::kBackward))
+      return bad("clusters span all the images of a tile, in the backward only");
   } else if (g.resident) {
     return bad("unclustered geometries stream their rows");
   }
   if (g.resident && g.rows_per_thread > gn_patch::resident_rows(pass, g.vec * elem))
     return bad("resident rows fit the registers");
+  if (!g.clustered && g.images != 1) return bad("unclustered geometries keep images apart");
+  const gn_patch::FastDivider* dividers[] = {&g.div_splits, &g.div_tiles,          &g.div_images,
+                                             &g.div_tile_vecs, &g.div_vecs_per_group, &g.div_block_rows};
+  const long long divisors[] = {g.splits, g.tiles, g.images, g.tile_vecs, g.vecs_per_group, g.block_rows};
+  for (int i = 0; i < 6; ++i) {
+    if (!divides_exactly(*dividers[i], divisors[i])) return bad("fast dividers equal integer division");
+  }
   return true;
 }
 

@@ -7,8 +7,8 @@
 // Szegedy 2015, applied per (n, g)), i.e. mean_g(gamma * du) = sum_{c in g} gamma_c * A[n,c] / M.
 //
 // Clustered (one kernel, the forward's kind of geometry): each block sums A and B per channel over its rows, the
-// cluster's blocks combine them in rank order through distributed shared memory, and every block computes dx for
-// its rows (from registers when resident).
+// blocks of each image in the cluster combine theirs in rank order through distributed shared memory, and every
+// block computes dx for its rows (from registers when resident).
 // Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
 // (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a

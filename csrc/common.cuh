@@ -292,7 +292,8 @@ __device__ __forceinline__ Acc lanes_reduce(Acc v, int width, Combine combine) {
 struct BlockCoord {
   int64_t n;
   int64_t tile;
-  int64_t rank;     // split of its (n, tile): rows [rank * rows_per_block, +rows_per_block)
+  int64_t rank;     // split of its (n, tile): rows [rank * rows_per_block, +rows_per_block); the cluster rank when
+                    // the cluster holds one image (with Geometry::images > 1 that is n * splits + rank)
   int col;          // vector index inside the tile (this thread's channels)
   int rowlane;      // row offset inside the block
   int group_local;  // this thread's group inside the tile

@@ -57,8 +57,9 @@ void set_splits(Geometry& g, int64_t splits) {
   g.block_rows = (int)ceil_div(g.rows_per_block, g.rows_per_thread);
 }
 
-// The kernels divide block and thread indices (< 2^31) by these: the grid has fewer than 2^31 blocks (launch_kernel
-// checks), tiles <= G and the others are below kMaxThreads.
+// The kernels divide block and thread indices (< 2^31) by these, each below 2^31: the grid has fewer than 2^31
+// blocks (launch_kernel checks), so splits, tiles and images do; tile_vecs, vecs_per_group and block_rows are at
+// most kMaxThreads.
 Geometry with_dividers(Geometry g) {
   g.div_splits = FastDivider::of((uint32_t)g.splits);
   g.div_tiles = FastDivider::of((uint32_t)g.tiles);

@@ -75,8 +75,9 @@ enum class Pass : int { kForward = 0, kBackward = 1 };
 //     time.
 //   - The rows of one (image n, tile) are split over `splits` blocks (rows_per_block each). Clustered: the splits
 //     form one thread-block cluster that combines its group statistics (forward) or channel sums (backward)
-//     through distributed shared memory, and each pass is one kernel. Otherwise (more splits than a cluster holds,
-//     for large images with wide tiles) partial results go through global scratch: three kernels per pass.
+//     through distributed shared memory, and each pass is one kernel (the backward's cluster may hold the splits of
+//     all N images of the tile: `images`). Otherwise (more splits than a cluster holds, for large images with wide
+//     tiles) partial results go through global scratch: three kernels per pass.
 //   - resident: every thread has at most resident_rows(pass) rows, kept in registers between the reduction and
 //     the output (x read once); otherwise the output pass reads the block's rows again.
 struct Geometry {
@@ -111,7 +112,8 @@ struct Geometry {
 
 // Rows a thread keeps in registers: up to 24 registers of data and 16 rows in the forward, up to 16 registers
 // and 8 rows each of x and dy in the backward (row addresses and lane constants take registers too). With 32
-// registers of 16-byte rows the forward spilled rows to local memory under its 80-register cap (ptxas -v).
+// registers of 16-byte rows the forward spilled rows to local memory under its 80-register cap (ptxas -v: 56-84
+// bytes; 4 bytes remain in some half/bfloat16 instantiations).
 constexpr int pack_registers(int vec_bytes) { return vec_bytes < 4 ? 1 : vec_bytes / 4; }
 constexpr int resident_rows(Pass pass, int vec_bytes) {
   const int rows = (pass == Pass::kForward ? 24 : 16) / pack_registers(vec_bytes);

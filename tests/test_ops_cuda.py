@@ -53,6 +53,7 @@ CASES = {
     "rank3_transposed": ((2, 512, 77), 32),               # diffusers attention's (B, C, HW) view
     "rank5": ((1, 64, 3, 8, 8), 32),
     "many_images": ((513, 32, 3, 3), 8),
+    "backward_cluster_of_4_images": ((4, 320, 16, 16), 32),  # backward: 2 splits of each of 4 images, one cluster
     "rows_not_multiple": ((3, 96, 30, 50), 32),           # the last block's rows partial
 }
 SMALL = ["sd_resnet", "sd_mid", "group_size_1", "single_group", "group_size_5", "prime_group_size_131", "hw_1",

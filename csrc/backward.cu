@@ -61,8 +61,7 @@ __device__ __forceinline__ LaneConstants<V> lane_constants(float2 moments, const
 template <typename T, int V>
 __device__ __forceinline__ LaneConstants<V> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
   float2 affine[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) affine[j] = channel_affine<T>(a, b.n, b.c0 + j);
+  thread_affine<T>(a, b.n, b.c0, affine);
   return lane_constants<V>(group_moments(a, b), affine);
 }
 

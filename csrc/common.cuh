@@ -225,6 +225,14 @@ __device__ __forceinline__ float2 channel_affine(const Args& a, int64_t n, int64
   return make_float2(p.weight * p.modulation, fmaf(p.bias, p.modulation, p.shift));
 }
 
+// channel_affine of this thread's V channels (c0, c0 + 1, ...): the per-thread loads of the unclustered kernels, whose
+// blocks stream many rows per thread.
+template <typename T, int V, typename Args>
+__device__ __forceinline__ void thread_affine(const Args& a, int64_t n, int64_t c0, float2 (&out)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = channel_affine<T>(a, n, c0 + j);
+}
+
 // channel_affine of every channel of the block's tile -> out[tile channel], visible after the next barrier. The
 // block loads them once (a few threads, one channel each) instead of every thread loading its vector's V channels
 // (4 V dependent, branchy loads on the critical path of the small kernels).

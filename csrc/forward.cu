@@ -159,9 +159,9 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
 // Unclustered, 1: the block's per-group statistics -> partials[(n * splits + split) * G + group].
 template <typename T, int V>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel(const ForwardArgs a) {
-  // Rows in flight per batch: 32 registers of loads (a DRAM-bound pass; batches of resident_rows, 24 registers,
-  // made the (1, 256, 1024, 1024) forward 10% slower on the H200).
-  constexpr int kStatsBatch = 32 / pack_registers(V * sizeof(T)) < 16 ? 32 / pack_registers(V * sizeof(T)) : 16;
+  // Rows in flight per batch: 32 registers of loads, as before resident rows were capped at 24 (a DRAM-bound pass:
+  // one H200 run with batches of resident_rows had the (1, 256, 1024, 1024) forward 10% slower).
+  constexpr int kStatsBatch = rows_in_registers(32, V * sizeof(T), 16);
   __shared__ Welford items[kMaxThreads];
   __shared__ Welford partial[kMaxThreads];
   __shared__ Welford block_stats[kMaxThreads];
@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
   if (!b.active) return;  // no barriers in this kernel
   const int64_t offset = b.n * g.S * g.C + b.c0;
   float2 affine[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) affine[j] = channel_affine<T>(a, b.n, b.c0 + j);
+  thread_affine<T>(a, b.n, b.c0, affine);
   const LaneAffine<V> l(reinterpret_cast<const float4*>(a.group_stats)[b.n * g.G + b.group], affine);
   normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<T*>(a.y) + offset, g, b,
                               thread_rows(g, b), l);

@@ -115,10 +115,12 @@ struct Geometry {
 // registers of 16-byte rows the forward spilled rows to local memory under its 80-register cap (ptxas -v: 56-84
 // bytes; 4 bytes remain in some half/bfloat16 instantiations).
 constexpr int pack_registers(int vec_bytes) { return vec_bytes < 4 ? 1 : vec_bytes / 4; }
+// Rows of vec_bytes that fit `registers` registers, at most `cap`.
+constexpr int rows_in_registers(int registers, int vec_bytes, int cap) {
+  return registers / pack_registers(vec_bytes) < cap ? registers / pack_registers(vec_bytes) : cap;
+}
 constexpr int resident_rows(Pass pass, int vec_bytes) {
-  const int rows = (pass == Pass::kForward ? 24 : 16) / pack_registers(vec_bytes);
-  const int cap = pass == Pass::kForward ? 16 : 8;
-  return rows < cap ? rows : cap;
+  return pass == Pass::kForward ? rows_in_registers(24, vec_bytes, 16) : rows_in_registers(16, vec_bytes, 8);
 }
 
 // The widest vector (elements) that divides D, fits 16 bytes and keeps every accessed pointer aligned.

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from gn_patch import GroupNormAct, ops
+from gn_patch import GroupNormAct, extension, ops
 from gn_patch.bench.cpu import CPU_SHAPE, host_us_per_call
 
 
@@ -46,6 +46,8 @@ def main():
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    if not extension.kernels_available():
+        raise SystemExit("gn_patch's CUDA kernels did not build")
     with torch.no_grad():
         calls, module, x = candidates()
         for name, call in calls.items():

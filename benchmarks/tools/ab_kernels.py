@@ -4,13 +4,18 @@ GPU time per call, forward and forward+backward, float16 and bfloat16, timed as 
 table (CUDA-graph replay over inputs rotating out of L2). Run once per build to compare (GN_PATCH_BUILD_DIR and
 PYTHONPATH select the tree):
 
-    python benchmarks/tools/ab_kernels.py ab.json
+    python benchmarks/tools/ab_kernels.py ab.json [--animatediff]
+
+``--animatediff``: the forward alone at the GroupNorm shapes of one AnimateDiff UNetMotionModel call (16 frames of
+512², batch 2; the motion modules' norms are 5-D), beside a device copy of the same tensor and PyTorch's NCHW
+GroupNorm + SiLU, with how many times each shape runs per call.
 """
+import argparse
 import json
 import math
-import sys
 
 import torch
+import torch.nn.functional as F
 
 from gn_patch import extension
 from gn_patch.bench.kernels import rotation_sets
@@ -20,15 +25,26 @@ SHAPES = [(2, 320, 64, 64), (2, 320, 32, 32), (2, 640, 32, 32), (2, 1280, 16, 16
           (2, 1920, 32, 32), (2, 960, 64, 64), (1, 512, 64, 64), (1, 512, 128, 128), (1, 256, 256, 256),
           (1, 512, 256, 256), (1, 256, 512, 512), (1, 128, 512, 512), (1, 256, 1024, 1024), (8, 320, 64, 64),
           (8, 640, 32, 32), (8, 1280, 16, 16), (8, 960, 64, 64)]
+# (shape, GroupNorms of that shape per UNetMotionModel call), from forward hooks on the model of
+# gn_patch.bench.models' "animatediff_unet" config.
+ANIMATEDIFF_SHAPES = [((32, 320, 64, 64), 13), ((32, 1280, 8, 8), 12), ((32, 640, 32, 32), 11),
+                      ((32, 1280, 16, 16), 11), ((2, 1280, 16, 8, 8), 6), ((2, 320, 16, 64, 64), 5),
+                      ((2, 640, 16, 32, 32), 5), ((2, 1280, 16, 16, 16), 5), ((32, 2560, 8, 8), 3),
+                      ((32, 2560, 16, 16), 2), ((32, 640, 64, 64), 2), ((32, 320, 32, 32), 1), ((32, 640, 16, 16), 1),
+                      ((32, 1920, 16, 16), 1), ((32, 1920, 32, 32), 1), ((32, 1280, 32, 32), 1),
+                      ((32, 960, 32, 32), 1), ((32, 960, 64, 64), 1)]
 GRAPH_MS = 10.0
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.to(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
 
 
 def time_shape(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int) -> tuple[float, float]:
     """(forward µs, forward+backward µs) of the raw ops at ``shape``, G = 32, SiLU."""
     op, op_backward = torch.ops.gn_patch.group_norm_act, torch.ops.gn_patch.group_norm_act_backward
     n_sets = rotation_sets(math.prod(shape) * 2, l2_bytes)
-    xs = [torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
-          for _ in range(n_sets)]
+    xs = [channels_last(torch.randn(shape, device="cuda", dtype=dtype)) for _ in range(n_sets)]
     dys = [torch.randn_like(x) for x in xs]
     w, b = torch.randn(shape[1], device="cuda", dtype=dtype), torch.randn(shape[1], device="cuda", dtype=dtype)
 
@@ -41,8 +57,35 @@ def time_shape(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int) -> tup
     return fwd, fwd_bwd
 
 
+def time_animatediff_shape(shape: tuple[int, ...], l2_bytes: int) -> tuple[float, float, float]:
+    """(gn_patch forward, device copy, PyTorch NCHW GroupNorm + SiLU) µs at ``shape``, float16, G = 32."""
+    op = torch.ops.gn_patch.group_norm_act
+    n_sets = rotation_sets(math.prod(shape) * 2, l2_bytes)
+    xs = [channels_last(torch.randn(shape, device="cuda", dtype=torch.float16)) for _ in range(n_sets)]
+    nchw = [x.contiguous() for x in xs]
+    w, b = (torch.randn(shape[1], device="cuda", dtype=torch.float16) for _ in range(2))
+    fwd, _ = gpu_time_us(lambda i: op(xs[i], w, b, None, None, 32, 1e-5, "silu"), n_sets, GRAPH_MS)
+    copy, _ = gpu_time_us(lambda i: xs[i].clone(), n_sets, GRAPH_MS)
+    stock, _ = gpu_time_us(lambda i: F.silu(F.group_norm(nchw[i], 32, w, b, 1e-5)), n_sets, GRAPH_MS)
+    return fwd, copy, stock
+
+
+def animatediff(out_path: str, l2_bytes: int) -> None:
+    out, totals = {}, [0.0, 0.0, 0.0]
+    for shape, count in ANIMATEDIFF_SHAPES:
+        times = time_animatediff_shape(shape, l2_bytes)
+        totals = [t + count * v for t, v in zip(totals, times)]
+        out[str(shape)] = {"count": count, "fwd_us": round(times[0], 1), "copy_us": round(times[1], 1),
+                           "torch_nchw_us": round(times[2], 1)}
+        print(f"{count:3d} x {str(shape):24s} fwd {times[0]:8.1f}  copy {times[1]:8.1f}  "
+              f"torch NCHW {times[2]:8.1f}", flush=True)
+    out["per_call_us"] = dict(zip(("fwd_us", "copy_us", "torch_nchw_us"), (round(t, 1) for t in totals)))
+    print("per call:", out["per_call_us"])
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main(out_path: str) -> None:
-    assert extension.kernels_available(), "the gn_patch extension did not build or load"
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     out = {}
     for dtype in (torch.float16, torch.bfloat16):
@@ -56,4 +99,12 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_path")
+    parser.add_argument("--animatediff", action="store_true")
+    args = parser.parse_args()
+    assert extension.kernels_available(), "the gn_patch extension did not build or load"
+    if args.animatediff:
+        animatediff(args.out_path, torch.cuda.get_device_properties(0).L2_cache_size)
+    else:
+        main(args.out_path)

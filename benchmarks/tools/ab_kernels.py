@@ -57,27 +57,30 @@ def time_shape(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int) -> tup
     return fwd, fwd_bwd
 
 
-def time_animatediff_shape(shape: tuple[int, ...], l2_bytes: int) -> tuple[float, float, float]:
-    """(gn_patch forward, device copy, PyTorch NCHW GroupNorm + SiLU) µs at ``shape``, float16, G = 32."""
+def time_animatediff_shape(shape: tuple[int, ...], l2_bytes: int, gn_only: bool) -> tuple[float, float, float]:
+    """(gn_patch forward, device copy, PyTorch NCHW GroupNorm + SiLU) µs at ``shape``, float16, G = 32; the last
+    two NaN with ``gn_only``."""
     op = torch.ops.gn_patch.group_norm_act
     n_sets = rotation_sets(math.prod(shape) * 2, l2_bytes)
     xs = [channels_last(torch.randn(shape, device="cuda", dtype=torch.float16)) for _ in range(n_sets)]
     nchw = [x.contiguous() for x in xs]
     w, b = (torch.randn(shape[1], device="cuda", dtype=torch.float16) for _ in range(2))
     fwd, _ = gpu_time_us(lambda i: op(xs[i], w, b, None, None, 32, 1e-5, "silu"), n_sets, GRAPH_MS)
+    if gn_only:
+        return fwd, math.nan, math.nan
     copy, _ = gpu_time_us(lambda i: xs[i].clone(), n_sets, GRAPH_MS)
     stock, _ = gpu_time_us(lambda i: F.silu(F.group_norm(nchw[i], 32, w, b, 1e-5)), n_sets, GRAPH_MS)
     return fwd, copy, stock
 
 
-def animatediff(out_path: str, l2_bytes: int) -> None:
+def animatediff(out_path: str, l2_bytes: int, gn_only: bool = False) -> None:
     out, totals = {}, [0.0, 0.0, 0.0]
     for shape, count in ANIMATEDIFF_SHAPES:
-        times = time_animatediff_shape(shape, l2_bytes)
+        times = time_animatediff_shape(shape, l2_bytes, gn_only)
         totals = [t + count * v for t, v in zip(totals, times)]
         out[str(shape)] = {"count": count, "fwd_us": round(times[0], 1), "copy_us": round(times[1], 1),
                            "torch_nchw_us": round(times[2], 1)}
-        print(f"{count:3d} x {str(shape):24s} fwd {times[0]:8.1f}  copy {times[1]:8.1f}  "
+        print(f"{count:3d} x {shape!s:24s} fwd {times[0]:8.1f}  copy {times[1]:8.1f}  "
               f"torch NCHW {times[2]:8.1f}", flush=True)
     out["per_call_us"] = dict(zip(("fwd_us", "copy_us", "torch_nchw_us"), (round(t, 1) for t in totals)))
     print("per call:", out["per_call_us"])
@@ -102,9 +105,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_path")
     parser.add_argument("--animatediff", action="store_true")
+    parser.add_argument("--gn-only", action="store_true", help="with --animatediff: gn_patch's times alone")
     args = parser.parse_args()
     assert extension.kernels_available(), "the gn_patch extension did not build or load"
     if args.animatediff:
-        animatediff(args.out_path, torch.cuda.get_device_properties(0).L2_cache_size)
+        animatediff(args.out_path, torch.cuda.get_device_properties(0).L2_cache_size, args.gn_only)
     else:
         main(args.out_path)

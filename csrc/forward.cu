@@ -89,10 +89,13 @@ __device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, con
   store_vec<T, V>(y, v);
 }
 
+// Streams the thread's rows last batch first: the statistics pass read them first to last, so the rows still in L2
+// come first (on the H200, 2-6% off the batch-32 shapes whose blocks' rows outgrow L2 together).
 template <typename T, int V, Act A>
 __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
                                                    int64_t rows, const LaneAffine<V>& l) {
-  for (int64_t u0 = 0; u0 < rows; u0 += kStreamUnroll) {
+  for (int64_t batch_index = (rows + kStreamUnroll - 1) / kStreamUnroll - 1; batch_index >= 0; --batch_index) {
+    const int64_t u0 = batch_index * kStreamUnroll;
     Pack<T, V> batch[kStreamUnroll];
     load_rows<T, V, kStreamUnroll>(batch, x, g, b, u0, rows);
 #pragma unroll

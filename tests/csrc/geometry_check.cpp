@@ -80,7 +80,7 @@ int main() {
   const long long shapes[][2] = {{32, 32}, {64, 32}, {128, 32}, {256, 32}, {320, 32}, {512, 32}, {640, 32}, {960, 32},
                                  {1280, 32}, {1920, 32}, {2560, 32}, {24, 3}, {21, 7}, {262, 131}, {262, 2}, {16, 1},
                                  {16, 16}, {1024, 1}, {6, 2}, {40, 8}, {1, 1}, {96, 32}, {1048, 8}};
-  for (long long N : {1LL, 2LL, 4LL, 8LL, 70000LL}) {
+  for (long long N : {1LL, 2LL, 4LL, 8LL, 32LL, 70000LL}) {
     for (long long S : {1LL, 7LL, 64LL, 255LL, 1000LL, 4096LL, 16384LL, 65536LL, 1LL << 20}) {
       for (const auto& cg : shapes) {
         for (int elem : {2, 4}) {
@@ -100,6 +100,12 @@ int main() {
       }
     }
   }
+  // Batches of many (image, group) pairs: forward tiles end on sector boundaries ((32, 640, 64, 64), fp16: 4 groups
+  // of 40 bytes), unless that leaves a block fewer than 4 rows of threads ((32, 960, 64, 64): 2 groups of 60 bytes).
+  const Geometry wide = gn_patch::make_geometry(Pass::kForward, 32, 4096, 640, 32, 2, 4, {132, 16});
+  if (wide.groups_per_tile * wide.D * 2 % 32 != 0) return fail("sector-aligned tiles", wide, 2, 16, 16) ? 0 : 1;
+  const Geometry narrow = gn_patch::make_geometry(Pass::kForward, 32, 4096, 960, 32, 2, 2, {132, 16});
+  if (narrow.block_rows < 4) return fail("rows of threads in sector-aligned tiles", narrow, 2, 16, 16) ? 0 : 1;
   std::printf("ok: %d geometries\n", checked);
   return 0;
 }

@@ -10,7 +10,7 @@ from diffusers.models.transformers.transformer_temporal import TransformerSpatio
 
 from .base import (Surgery, alone, forward_override_problem, rule, set_class, source_digest, stands_in_for,
                    verified)
-from .fusion import fusion
+from .fusion import ZQ_LIKE_F_2D, fusion
 
 # Transformer2DModel._get_output_for_continuous_inputs, mirrored by _ChannelsLastTransformer2DModel.
 _VERIFIED_TRANSFORMER_OUTPUT = {"080aa7e5536f6b0c"}
@@ -71,12 +71,11 @@ fusion(TransformerSpatioTemporalModel, "c09d8a8e8e6d3251", alone={"norm"}, layou
 
 # MoVQ's spatial norm: `norm_f = self.norm_layer(f); new_f = norm_f * self.conv_y(zq) + self.conv_b(zq)`, a
 # modulation by a full tensor (not per sample): the GroupNorm runs alone. The interpolated latent takes f's layout,
-# so that the 1x1 conv_y/conv_b (which follow their input's layout) and the elementwise ops stay NHWC (see the
-# spatial norms of gn_patch.rules.vaes).
+# so that the 1x1 conv_y/conv_b (which follow their input's layout) and the elementwise ops stay NHWC (see
+# ZQ_LIKE_F_2D).
 fusion(SpatialNorm, "e90292c0c0feb29b", alone={"norm_layer"}, layout={
     "zq = F.interpolate(zq, size=f_size, mode='nearest')":
-        "zq = F.interpolate(zq, size=f_size, mode='nearest')"
-        ".contiguous(memory_format=torch.channels_last if f.stride(1) == 1 else torch.contiguous_format)"})
+        "zq = F.interpolate(zq, size=f_size, mode='nearest')" + ZQ_LIKE_F_2D})
 
 # DreamLite's spatial transformer: `_operate_on_continuous_inputs` runs the norm, then proj_in (a conv or, after a
 # reshape, a Linear).

@@ -22,27 +22,18 @@ from diffusers.pipelines.ltx2 import latent_upsampler as ltx2_upsampler
 
 from ..ops import _group_norm_act
 from .base import forward_override_problem, rule, set_class, stands_in_for, unverified, verified
-from .fusion import ACTIVATION_NORMS, activation_function, fused_norm_alone, fusion, pairs
+from .fusion import (ACTIVATION_NORMS, ZQ_LIKE_F_2D, ZQ_LIKE_F_3D, activation_function, fused_norm_alone, fusion,
+                     pairs)
 
 _NORMS = {"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}
 _CONV_OUT = {"conv_norm_out": "conv_act"}
-
-# The latent a spatial norm interpolates to f's size (zq) arrives NCDHW/NCHW. Its conv_y and conv_b are 1x1(x1)
-# convolutions, whose channels-last weights are also contiguous, so cuDNN follows zq's layout and returns NCDHW:
-# `norm_f * conv_y + conv_b` then mixes layouts, which TensorIterator runs through its slow strided kernel (on the
-# H200, CogVideoX's decode spent 220 ms in those two ops, against 35 ms stock). Giving the interpolated zq (few
-# channels: a small copy) f's channels-last layout keeps the convs and the elementwise ops NDHWC/NHWC. The
-# interpolation itself stays on NCDHW input: PyTorch's channels-last nearest upsampling fails for outputs over
-# 2**31 elements (pytorch#141831), the reason diffusers makes its inputs contiguous.
-_ZQ_LIKE_F_3D = ".contiguous(memory_format=torch.channels_last_3d if f.stride(1) == 1 else torch.contiguous_format)"
-_ZQ_LIKE_F_2D = ".contiguous(memory_format=torch.channels_last if f.stride(1) == 1 else torch.contiguous_format)"
 
 # CogVideoX: the encoder's blocks take GroupNorms; the decoder's take CogVideoXSpatialNorm3D (norm * conv_y(zq) +
 # conv_b(zq), a modulation by a full tensor), whose GroupNorm runs alone.
 fusion(cogvideox.CogVideoXResnetBlock3D, "024ca7182ddaa74e", activations=_NORMS)
 fusion(cogvideox.CogVideoXSpatialNorm3D, "3e71f9b39e88e3a3", alone={"norm_layer"}, layout={
-    "zq = torch.cat([z_first, z_rest], dim=2)": "zq = torch.cat([z_first, z_rest], dim=2)" + _ZQ_LIKE_F_3D,
-    "zq = F.interpolate(zq, size=f.shape[-3:])": "zq = F.interpolate(zq, size=f.shape[-3:])" + _ZQ_LIKE_F_3D})
+    "zq = torch.cat([z_first, z_rest], dim=2)": "zq = torch.cat([z_first, z_rest], dim=2)" + ZQ_LIKE_F_3D,
+    "zq = F.interpolate(zq, size=f.shape[-3:])": "zq = F.interpolate(zq, size=f.shape[-3:])" + ZQ_LIKE_F_3D})
 pairs(cogvideox.CogVideoXEncoder3D, "0ec8a01c953cea50", {"norm_out": "conv_act"})
 
 # HunyuanVideo: each block starts with `hidden_states.contiguous()`, an NCDHW copy of channels_last_3d input.
@@ -128,7 +119,7 @@ fusion(cosmos.CosmosCausalAttention, "e0d3e482769f3cd5", alone={"norm"})  # its 
 fusion(kvae.KVAEResnetBlock2D, "e309708cff41f518", activations=_NORMS)
 fusion(kvae.KVAEDecoderSpatialNorm2D, "488cd61acc1187db", alone={"norm_layer"}, layout={
     "zq = F.interpolate(zq, size=f_first_size, mode='nearest')":
-        "zq = F.interpolate(zq, size=f_first_size, mode='nearest')" + _ZQ_LIKE_F_2D})
+        "zq = F.interpolate(zq, size=f_first_size, mode='nearest')" + ZQ_LIKE_F_2D})
 pairs(kvae.KVAEEncoder2D, "ea7da2663494e056", {"norm_out": "nonlinearity"})
 
 # KVAE (video): cached GroupNorm wrappers; `nonlinearity(x)` is F.silu(x).

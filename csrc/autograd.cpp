@@ -197,10 +197,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                           (x.requires_grad() || std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
                              return p->has_value() && (*p)->requires_grad();
                            }));
-  const bool forward_ad = x._fw_grad(/*level=*/0).defined() ||
-                          std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
-                            return p->has_value() && (*p)->_fw_grad(/*level=*/0).defined();
-                          });
+  // Forward-mode AD is looked for only where the fast path would otherwise be taken: a training call pays nothing.
+  const bool forward_ad = !needs_grad && (x._fw_grad(/*level=*/0).defined() ||
+                                          std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
+                                            return p->has_value() && (*p)->_fw_grad(/*level=*/0).defined();
+                                          }));
   if (!needs_grad && !forward_ad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation);

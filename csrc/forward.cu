@@ -4,7 +4,7 @@
 // Clustered (one kernel; grid N * tiles * splits, see Geometry): each block reduces its rows of its tile's groups
 // to per-group Welford statistics; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
 // through distributed shared memory in rank order; every block then normalises its rows, from registers when
-// resident, else read again (from L2: the block read them moments before).
+// resident, else read again, last first (from L2: the block read them moments before).
 // Unclustered (large images, wide tiles, more splits than a cluster holds):
 //   1. stats_kernel     the blocks' per-group statistics -> scratch
 //   2. finalize_kernel  one warp per (n, g) combines the splits' -> mean, rstd
@@ -90,7 +90,7 @@ __device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, con
 }
 
 // Streams the thread's rows last batch first: the statistics pass read them first to last, so the rows still in L2
-// come first (on the H200, 2-6% off the batch-32 shapes whose blocks' rows outgrow L2 together).
+// come first (on the H200, up to 6% off the batch-32 shapes whose blocks' rows outgrow L2 together).
 template <typename T, int V, Act A>
 __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
                                                    int64_t rows, const LaneAffine<V>& l) {

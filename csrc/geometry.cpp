@@ -8,7 +8,8 @@ namespace {
 
 // A tile's row segment is at least one 32-byte sector (narrower segments leave part of each sector to another
 // block, and DRAM moves whole sectors); for large images, whose rows come from DRAM, several.
-constexpr int64_t kMinSegmentBytes = 32;
+constexpr int64_t kSectorBytes = 32;
+constexpr int64_t kMinSegmentBytes = kSectorBytes;
 constexpr int64_t kWideSegmentBytes = 512;
 // Images from this size on (bytes) take the unclustered geometry; each thread then streams at least this many rows.
 constexpr int64_t kUnclusteredImageBytes = 32 << 20;
@@ -50,7 +51,7 @@ int64_t groups_per_tile(const Geometry& g, int elem_size, int64_t segment_bytes)
 // of threads per block; 0 if there is none.
 int64_t sector_aligned_groups(const Geometry& g, int elem_size) {
   for (int64_t k = 1; k <= g.G && k * g.vecs_per_group * kAlignedTileMinBlockRows <= kMaxThreads; ++k) {
-    if (g.G % k == 0 && (k * g.D * elem_size) % kMinSegmentBytes == 0 && k * g.D <= kMaxTileChannels) return k;
+    if (g.G % k == 0 && (k * g.D * elem_size) % kSectorBytes == 0 && k * g.D <= kMaxTileChannels) return k;
   }
   return 0;
 }

@@ -101,7 +101,8 @@ int main() {
     }
   }
   // Batches of many (image, group) pairs: forward tiles end on sector boundaries ((32, 640, 64, 64), fp16: 4 groups
-  // of 40 bytes), unless that leaves a block fewer than 4 rows of threads ((32, 960, 64, 64): 2 groups of 60 bytes).
+  // of 40 bytes), unless that leaves a block fewer than 4 rows of threads ((32, 960, 64, 64): whole sectors would
+  // take 8 groups of 60 bytes, 120 vectors).
   const Geometry wide = gn_patch::make_geometry(Pass::kForward, 32, 4096, 640, 32, 2, 4, {132, 16});
   if (wide.groups_per_tile * wide.D * 2 % 32 != 0) return fail("sector-aligned tiles", wide, 2, 16, 16) ? 0 : 1;
   const Geometry narrow = gn_patch::make_geometry(Pass::kForward, 32, 4096, 960, 32, 2, 2, {132, 16});

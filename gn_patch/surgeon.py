@@ -259,8 +259,8 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
         channels_last_3d: the same for 5-D activations (NDHWC), with channels_last True: the
             Conv3d/ConvTranspose3d weights become channels_last_3d (cuDNN then runs its NDHWC convolutions;
             measure them with benchmarks/tools/conv3d_layout.py); with ``"activations"``: 5-D tensor arguments
-            become channels_last_3d. Other tensors keep their layout; unpatch_model converts the weights back and
-            removes the hooks.
+            become channels_last_3d; with channels_last False, nothing. Other tensors keep their layout;
+            unpatch_model converts the weights back and removes the hooks.
 
     Returns:
         PatchReport: fused, run alone, already fused and skipped GroupNorms (qualified names), conv weights
@@ -283,11 +283,14 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
     if channels_last == "activations":
         surgery.report.channels_last_inputs = _add_input_hooks(model, (4, 5) if channels_last_3d else (4,))
         return surgery.report
-    formats = (_CHANNELS_LAST if channels_last else {}) | (_CHANNELS_LAST_3D if channels_last_3d else {})
+    formats = (_CHANNELS_LAST | (_CHANNELS_LAST_3D if channels_last_3d else {})) if channels_last else {}
     converted = _make_conv_weights_channels_last(model, formats, surgery.report)
     surgery.report.channels_last = len(converted)
     if converted:
-        setattr(model, _LAYOUT_FLAG, tuple(model.__dict__.get(_LAYOUT_FLAG, ())) + tuple(converted))
+        # Recorded without peft's wrappers: a LoRA present now may be unloaded before unpatch_model, and one added
+        # after patching wraps the conv then.
+        converted = tuple(_without_peft_wrappers(name) for name in converted)
+        setattr(model, _LAYOUT_FLAG, tuple(model.__dict__.get(_LAYOUT_FLAG, ())) + converted)
     return surgery.report
 
 

@@ -267,6 +267,21 @@ def test_unpatch_after_lora_restores_wrapped_convs(tmp_path):
     save_file(unet.state_dict(), tmp_path / "unet.safetensors")
 
 
+def test_unpatch_after_unloading_a_lora_present_at_patching(tmp_path):
+    """add a LoRA on the resnets' convs, patch (the wrapped convs are named ``<conv>.base_layer`` then), unload the
+    LoRA, unpatch: every conv weight patch_model made channels_last is contiguous again."""
+    from safetensors.torch import save_file
+
+    unet = tiny_sd15_unet()
+    unet.add_adapter(LoraConfig(r=4, target_modules=["conv1", "conv2"]))
+    patch_model(unet)
+    assert unet.down_blocks[0].resnets[0].conv1.base_layer.weight.is_contiguous(memory_format=torch.channels_last)
+    unet.unload_lora()
+    unpatch_model(unet)
+    assert all(tensor.is_contiguous() for tensor in unet.state_dict().values())
+    save_file(unet.state_dict(), tmp_path / "unet.safetensors")
+
+
 def test_pipeline_load_fuse_unfuse_lora(tmp_path, stock_images):
     source = tiny_sd15_unet()
     add_lora(source)

@@ -281,6 +281,16 @@ def test_spatio_temporal_unet_conv3d_weights(channels_last_3d):
     assert all(w.is_contiguous() for w in conv3d)
 
 
+def test_channels_last_false_converts_no_weight():
+    """channels_last=False leaves every conv weight as it is, the Conv3d ones too (channels_last_3d applies with
+    channels_last True only)."""
+    unet = tiny_svd_unet()
+    report = patch_model(unet, channels_last=False)
+    assert report.channels_last == 0
+    convs = [m for m in unet.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))]
+    assert any(isinstance(m, nn.Conv3d) for m in convs) and all(m.weight.is_contiguous() for m in convs)
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoints, idempotence, reversibility
 # ------------------------------------------------------------------------------------------------

@@ -47,11 +47,11 @@ _LAYOUT_METHODS = {"permute", "unflatten", "flatten", "reshape", "view", "contig
 # For the layout rules of the spatial norms (MoVQ's SpatialNorm, CogVideoX's, KVAE's): the latent a spatial norm
 # interpolates to f's size (zq) arrives NCDHW/NCHW. Its conv_y and conv_b are 1x1(x1) convolutions, whose
 # channels-last weights are also contiguous, so cuDNN follows zq's layout and returns NCDHW: `norm_f * conv_y +
-# conv_b` then mixes layouts, which TensorIterator runs through its slow strided kernel (on the
-# H200, CogVideoX's decode spent 220 ms in those two ops, against 35 ms stock). Giving the interpolated zq (few
-# channels: a small copy) f's channels-last layout keeps the convs and the elementwise ops NDHWC/NHWC. The
-# interpolation itself stays on NCDHW input: PyTorch's channels-last nearest upsampling fails for outputs over
-# 2**31 elements (pytorch#141831), the reason diffusers makes its inputs contiguous.
+# conv_b` then mixes layouts, which TensorIterator runs through its slow strided kernel (on the H200, CogVideoX's
+# decode spent 220 ms in those two ops, against 35 ms stock). Giving the interpolated zq (few channels: a small
+# copy) f's channels-last layout keeps the convs and the elementwise ops NDHWC/NHWC. The interpolation itself
+# stays on NCDHW input: PyTorch's channels-last nearest upsampling fails for outputs over 2**31 elements
+# (pytorch#141831), the reason diffusers makes its inputs contiguous.
 ZQ_LIKE_F_3D = ".contiguous(memory_format=torch.channels_last_3d if f.stride(1) == 1 else torch.contiguous_format)"
 ZQ_LIKE_F_2D = ".contiguous(memory_format=torch.channels_last if f.stride(1) == 1 else torch.contiguous_format)"
 

@@ -313,7 +313,8 @@ struct BlockCoord {
 };
 
 // `image_clusters`: the kernel takes geometries with Geometry::images > 1 (the clustered backward).
-__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse = false, bool image_clusters = false) {
+__device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse = false,
+                                                  bool image_clusters = false) {
   BlockCoord b;
   const unsigned bid = reverse ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const unsigned split_major = g.div_splits.div(bid);  // n * tiles + tile, or tile * N + n (Geometry::images)

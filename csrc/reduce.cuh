@@ -72,8 +72,9 @@ __device__ __forceinline__ void block_channel_sums(const float2 (&acc)[V], float
 }
 
 // ---------------------------------------------------------------------------------------------
-// Thread-block clusters (sm_90+): the blocks of one (n, tile), or of all N images of a tile (Geometry::images), exchange their partial results through distributed
-// shared memory. Every thread of every block must reach each barrier.
+// Thread-block clusters (sm_90+): the blocks of one (n, tile), or of all N images of a tile (Geometry::images),
+// exchange their partial results through distributed shared memory. Every thread of every block must reach each
+// barrier.
 // ---------------------------------------------------------------------------------------------
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GN_PATCH_CLUSTERS 1

@@ -40,19 +40,30 @@ def channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.to(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
 
 
-def time_shape(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int) -> tuple[float, float]:
-    """(forward µs, forward+backward µs) of the raw ops at ``shape``, G = 32, SiLU."""
-    op, op_backward = torch.ops.gn_patch.group_norm_act, torch.ops.gn_patch.group_norm_act_backward
+def inputs(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int):
+    """(n_sets, channels-last inputs rotating out of L2, weight, bias) at ``shape``."""
     n_sets = rotation_sets(math.prod(shape) * 2, l2_bytes)
     xs = [channels_last(torch.randn(shape, device="cuda", dtype=dtype)) for _ in range(n_sets)]
+    w, b = (torch.randn(shape[1], device="cuda", dtype=dtype) for _ in range(2))
+    return n_sets, xs, w, b
+
+
+def forward(x, w, b):
+    """The raw forward op, G = 32, SiLU: (y, mean, rstd)."""
+    return torch.ops.gn_patch.group_norm_act(x, w, b, None, None, 32, 1e-5, "silu")
+
+
+def time_shape(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int) -> tuple[float, float]:
+    """(forward µs, forward+backward µs) of the raw ops at ``shape``, G = 32, SiLU."""
+    n_sets, xs, w, b = inputs(shape, dtype, l2_bytes)
     dys = [torch.randn_like(x) for x in xs]
-    w, b = torch.randn(shape[1], device="cuda", dtype=dtype), torch.randn(shape[1], device="cuda", dtype=dtype)
 
     def forward_backward(i):
-        _, mean, rstd = op(xs[i], w, b, None, None, 32, 1e-5, "silu")
-        op_backward(dys[i], xs[i], w, b, None, None, mean, rstd, 32, "silu", [True, True, True, False, False])
+        _, mean, rstd = forward(xs[i], w, b)
+        torch.ops.gn_patch.group_norm_act_backward(dys[i], xs[i], w, b, None, None, mean, rstd, 32, "silu",
+                                                   [True, True, True, False, False])
 
-    fwd, _ = gpu_time_us(lambda i: op(xs[i], w, b, None, None, 32, 1e-5, "silu"), n_sets, GRAPH_MS)
+    fwd, _ = gpu_time_us(lambda i: forward(xs[i], w, b), n_sets, GRAPH_MS)
     fwd_bwd, _ = gpu_time_us(forward_backward, n_sets, GRAPH_MS)
     return fwd, fwd_bwd
 
@@ -60,14 +71,11 @@ def time_shape(shape: tuple[int, ...], dtype: torch.dtype, l2_bytes: int) -> tup
 def time_animatediff_shape(shape: tuple[int, ...], l2_bytes: int, gn_only: bool) -> tuple[float, float, float]:
     """(gn_patch forward, device copy, PyTorch NCHW GroupNorm + SiLU) µs at ``shape``, float16, G = 32; the last
     two NaN with ``gn_only``."""
-    op = torch.ops.gn_patch.group_norm_act
-    n_sets = rotation_sets(math.prod(shape) * 2, l2_bytes)
-    xs = [channels_last(torch.randn(shape, device="cuda", dtype=torch.float16)) for _ in range(n_sets)]
-    nchw = [x.contiguous() for x in xs]
-    w, b = (torch.randn(shape[1], device="cuda", dtype=torch.float16) for _ in range(2))
-    fwd, _ = gpu_time_us(lambda i: op(xs[i], w, b, None, None, 32, 1e-5, "silu"), n_sets, GRAPH_MS)
+    n_sets, xs, w, b = inputs(shape, torch.float16, l2_bytes)
+    fwd, _ = gpu_time_us(lambda i: forward(xs[i], w, b), n_sets, GRAPH_MS)
     if gn_only:
         return fwd, math.nan, math.nan
+    nchw = [x.contiguous() for x in xs]
     copy, _ = gpu_time_us(lambda i: xs[i].clone(), n_sets, GRAPH_MS)
     stock, _ = gpu_time_us(lambda i: F.silu(F.group_norm(nchw[i], 32, w, b, 1e-5)), n_sets, GRAPH_MS)
     return fwd, copy, stock

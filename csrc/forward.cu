@@ -12,11 +12,22 @@
 //
 // Within a thread, statistics are sums of deviations from the batch's first element (one pass over the rows held
 // in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
+// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of 10, 12, 20 or 30 16-bit channels) run
+// the same kernels instantiated with Straddle: each thread keeps its vector's two groups' statistics apart.
+
 #include "launch.cuh"
 #include "reduce.cuh"
 
 namespace gn_patch {
 namespace {
+
+// Welford statistics of `count` elements from the sums of their deviations from `ref`: mean = ref + s1 / count,
+// m2 = s2 - s1^2 / count.
+__device__ __forceinline__ Welford sums_to_welford(float ref, float s1, float s2, float count) {
+  const float mean = __fdividef(s1, count);  // count <= 128: the approximate quotient is within 2 ulp
+  const float m2 = s2 - s1 * mean;
+  return Welford{ref, mean, m2 < 0.f ? 0.f : m2, count};  // a select, not fmaxf: NaN propagates
+}
 
 // Statistics of the first `rows` of U packs in one pass over the registers: sums of the deviations from the
 // batch's first element k (the reference), mean = k + s1 / n, m2 = s2 - s1^2 / n. The deviations stay within the
@@ -46,10 +57,59 @@ __device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int 
       if (u < rows) add_row(packs[u]);
     }
   }
-  const float count = (float)(rows * V);
-  const float mean = __fdividef(s1, count);  // count <= 128: the approximate quotient is within 2 ulp
-  const float m2 = s2 - s1 * mean;
-  return Welford{k, mean, m2 < 0.f ? 0.f : m2, count};  // a select, not fmaxf: NaN propagates
+  return sums_to_welford(k, s1, s2, (float)(rows * V));
+}
+
+// Statistics of the first `rows` of U packs whose lanes straddle two groups (Geometry::straddle): lanes
+// j < lanes_lo belong to the thread's group (lo), the others to the next (hi). As rows_stats, with each group's
+// first element in the batch as its reference; per lane sums, then each group's sums over its lanes, taken with
+// selects so that a NaN or inf in one group's lanes stays out of the other's statistics.
+template <typename T, int V, int U>
+__device__ __forceinline__ void rows_stats_straddle(const Pack<T, V> (&packs)[U], int rows, int lanes_lo, Welford& lo,
+                                                    Welford& hi) {
+  lo = Welford{};
+  hi = Welford{};
+  if (rows == 0) return;
+  const float k_lo = bits_to_float<T>(pack_element(packs[0], 0));
+  const float k_hi = bits_to_float<T>(pack_element(packs[0], V - 1));
+  float ref[V], s1[V], s2[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    ref[j] = j < lanes_lo ? k_lo : k_hi;
+    s1[j] = 0.f;
+    s2[j] = 0.f;
+  }
+  auto add_row = [&](const Pack<T, V>& pack) {
+    float v[V];
+    unpack<T, V>(pack, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float d = v[j] - ref[j];
+      s1[j] += d;
+      s2[j] = fmaf(d, d, s2[j]);
+    }
+  };
+  if (rows == U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) add_row(packs[u]);
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (u < rows) add_row(packs[u]);
+    }
+  }
+  float s1_lo = 0.f, s2_lo = 0.f, s1_hi = 0.f, s2_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const bool in_lo = j < lanes_lo;
+    s1_lo += in_lo ? s1[j] : 0.f;
+    s2_lo += in_lo ? s2[j] : 0.f;
+    s1_hi += in_lo ? 0.f : s1[j];
+    s2_hi += in_lo ? 0.f : s2[j];
+  }
+  const int lanes = min(lanes_lo, V);
+  lo = sums_to_welford(k_lo, s1_lo, s2_lo, (float)(rows * lanes));
+  if (lanes < V) hi = sums_to_welford(k_hi, s1_hi, s2_hi, (float)(rows * (V - lanes)));
 }
 
 // Statistics of the rows this thread streams (not resident), a batch of U rows in flight at a time.
@@ -64,24 +124,48 @@ __device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry&
   return w;
 }
 
+// streamed_stats for straddling vectors: the statistics of the thread's group (lo) and of the next (hi).
+template <typename T, int V, int U>
+__device__ __forceinline__ void streamed_stats_straddle(const T* base, const Geometry& g, const BlockCoord& b,
+                                                        int64_t rows, Welford& lo, Welford& hi) {
+  lo = Welford{};
+  hi = Welford{};
+  for (int64_t u0 = 0; u0 < rows; u0 += U) {
+    Pack<T, V> batch[U];
+    load_rows<T, V, U>(batch, base, g, b, u0, rows);
+    Welford l, h;
+    rows_stats_straddle<T, V, U>(batch, (int)min((int64_t)U, rows - u0), b.lanes_lo, l, h);
+    lo = welford_combine(lo, l);
+    hi = welford_combine(hi, h);
+  }
+}
+
 // y = act((x - ref) * scale + shift) per lane, folding rstd and the mean offset into the channels' affine maps;
 // `stats` = (ref, mean offset, rstd) of the thread's group, affine[j] = channel_affine of its vector's channel j.
-template <int V>
+// With straddling vectors (Straddle) the lanes j >= lanes_lo take the next group's statistics `hi`, every lane's
+// mean expressed as an offset from one reference: (x - ref) * scale then spans the two groups' distance in units
+// of a group's standard deviation, whose rounding (2^-24 relative) is far below a 16-bit output's, to which
+// straddling is confined (straddling_vec). The reference is this group's, or the next group's where this one's is
+// NaN or infinite (this group's outputs are NaN then anyway): a NaN in one group never reaches the other's lanes.
+template <int V, bool Straddle = false>
 struct LaneAffine {
   float ref, scale[V], shift[V];
 
-  __device__ __forceinline__ LaneAffine(float4 stats, const float2* affine) : ref(stats.x) {
+  __device__ __forceinline__ LaneAffine(float4 stats, const float2* affine, float4 hi = {}, int lanes_lo = V)
+      : ref(Straddle && !isfinite(stats.x) ? hi.x : stats.x) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
+      const float4 s = Straddle && j >= lanes_lo ? hi : stats;
+      const float offset = Straddle ? (s.x - ref) + s.y : s.y;
       const float2 p = affine[j];
-      scale[j] = stats.z * p.x;
-      shift[j] = fmaf(-stats.y, scale[j], p.y);
+      scale[j] = s.z * p.x;
+      shift[j] = fmaf(-offset, scale[j], p.y);
     }
   }
 };
 
-template <typename T, int V, Act A>
-__device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, const LaneAffine<V>& l) {
+template <typename T, int V, Act A, bool Straddle>
+__device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, const LaneAffine<V, Straddle>& l) {
   float v[V];
   unpack<T, V>(pack, v);
 #pragma unroll
@@ -89,13 +173,15 @@ __device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, con
   store_vec<T, V>(y, v);
 }
 
-// Streams the thread's rows last batch first: the statistics pass read them first to last, so the rows still in L2
-// come first (on the H200, up to 6% off the batch-32 shapes whose blocks' rows outgrow L2 together).
-template <typename T, int V, Act A>
+// Streams the thread's rows, last batch first where the tensor outgrows L2 (Geometry::reread_reversed): the
+// statistics pass read them first to last, so the rows still in L2 come first (on the H200, up to 6% off the
+// batch-32 shapes whose blocks' rows outgrow L2 together; where the whole tensor stays in L2, 2-9% slower).
+template <typename T, int V, Act A, bool Straddle>
 __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
-                                                   int64_t rows, const LaneAffine<V>& l) {
-  for (int64_t batch_index = (rows + kStreamUnroll - 1) / kStreamUnroll - 1; batch_index >= 0; --batch_index) {
-    const int64_t u0 = batch_index * kStreamUnroll;
+                                                   int64_t rows, const LaneAffine<V, Straddle>& l) {
+  const int64_t batches = (rows + kStreamUnroll - 1) / kStreamUnroll;
+  for (int64_t i = 0; i < batches; ++i) {
+    const int64_t u0 = (g.reread_reversed ? batches - 1 - i : i) * kStreamUnroll;
     Pack<T, V> batch[kStreamUnroll];
     load_rows<T, V, kStreamUnroll>(batch, x, g, b, u0, rows);
 #pragma unroll
@@ -115,24 +201,77 @@ __device__ __forceinline__ float4 group_stats_of(const Welford& t, float eps, fl
   return make_float4(t.ref, t.mean, r, 0.f);
 }
 
-template <typename T, int V, Act A>
+// A thread's statistics: of its group (lo) and, for straddling vectors, of the next group (hi).
+struct ThreadStats {
+  Welford lo, hi;
+};
+
+template <typename T, int V, bool Straddle, int U>
+__device__ __forceinline__ ThreadStats resident_stats(const Pack<T, V> (&packs)[U], int64_t rows, const BlockCoord& b) {
+  ThreadStats t{};
+  if constexpr (Straddle) {
+    rows_stats_straddle<T, V, U>(packs, (int)rows, b.lanes_lo, t.lo, t.hi);
+  } else {
+    t.lo = rows_stats<T, V, U>(packs, (int)rows);
+  }
+  return t;
+}
+
+template <typename T, int V, bool Straddle, int U>
+__device__ __forceinline__ ThreadStats streamed_thread_stats(const T* x, const Geometry& g, const BlockCoord& b,
+                                                             int64_t rows) {
+  ThreadStats t{};
+  if constexpr (Straddle) {
+    streamed_stats_straddle<T, V, U>(x, g, b, rows, t.lo, t.hi);
+  } else {
+    t.lo = streamed_stats<T, V, U>(x, g, b, rows);
+  }
+  return t;
+}
+
+// The block's per-group totals of the threads' statistics -> out (block_group_stats; items_hi: the straddling
+// reduction's second array).
+template <bool Straddle>
+__device__ __forceinline__ void block_stats_of(const ThreadStats& t, Welford* items, Welford* items_hi,
+                                               Welford* partial, Welford* out, const Geometry& g) {
+  if constexpr (Straddle) {
+    block_group_stats_straddle(t.lo, t.hi, items, items_hi, partial, out, g);
+  } else {
+    block_group_stats(t.lo, items, partial, out, g);
+  }
+}
+
+// The thread's LaneAffine from its group's statistics stats[0] (and, straddling, the next group's stats[1]).
+template <int V, bool Straddle>
+__device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(const float4* stats, const float2* affine,
+                                                               const BlockCoord& b) {
+  if constexpr (Straddle) {
+    return LaneAffine<V, true>(stats[0], affine, b.lanes_lo < V ? stats[1] : stats[0], b.lanes_lo);
+  } else {
+    return LaneAffine<V>(stats[0], affine);
+  }
+}
+
+template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kernel(const ForwardArgs a) {
-  constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T));
+  constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T), Straddle);
   __shared__ Welford items[kMaxThreads];
+  __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
   __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
   __shared__ float4 group_stats[kMaxThreads];   // per tile group: (reference, mean offset, rstd)
   __shared__ float2 tile_affine[kMaxTileChannels];
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g);
+  const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const int64_t rows = thread_rows(g, b);
 
   Pack<T, V> packs[kRows];  // resident rows
   if (g.resident) load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
   load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
-  const Welford w = g.resident ? rows_stats<T, V, kRows>(packs, (int)rows) : streamed_stats<T, V, kRows>(x, g, b, rows);
-  block_group_stats(w, items, partial, block_stats, g);
+  const ThreadStats t = g.resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
+                                   : streamed_thread_stats<T, V, Straddle, kRows>(x, g, b, rows);
+  block_stats_of<Straddle>(t, items, items_hi, partial, block_stats, g);
   // The cluster's blocks read each other's block_stats; without a cluster each thread reads back its own.
   if (g.cluster() > 1) cluster_sync(g.cluster());
   if (threadIdx.x < g.groups_per_tile) {
@@ -145,7 +284,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   __syncthreads();
 
   if (b.active) {
-    const LaneAffine<V> l(group_stats[b.group_local], &tile_affine[b.col * V]);
+    const auto l = lane_affine<V, Straddle>(&group_stats[b.group_local], &tile_affine[b.col * V], b);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
     if (g.resident) {
 #pragma unroll
@@ -160,18 +299,21 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
 }
 
 // Unclustered, 1: the block's per-group statistics -> partials[(n * splits + split) * G + group].
-template <typename T, int V>
+template <typename T, int V, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel(const ForwardArgs a) {
   // Rows in flight per batch: 32 registers of loads, as before resident rows were capped at 24 (a DRAM-bound pass:
   // one H200 run with batches of resident_rows had the (1, 256, 1024, 1024) forward 10% slower).
-  constexpr int kStatsBatch = rows_in_registers(32, V * sizeof(T), 16);
+  // Straddling vectors: 24 (32 spilled 8 bytes).
+  constexpr int kStatsBatch = rows_in_registers(Straddle ? 24 : 32, V * sizeof(T), 16);
   __shared__ Welford items[kMaxThreads];
+  __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
   __shared__ Welford block_stats[kMaxThreads];
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g);
+  const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
-  block_group_stats(streamed_stats<T, V, kStatsBatch>(x, g, b, thread_rows(g, b)), items, partial, block_stats, g);
+  block_stats_of<Straddle>(streamed_thread_stats<T, V, Straddle, kStatsBatch>(x, g, b, thread_rows(g, b)), items,
+                           items_hi, partial, block_stats, g);
   __syncthreads();
   if (threadIdx.x < g.groups_per_tile) {
     const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;
@@ -197,37 +339,56 @@ __global__ void finalize_kernel(const ForwardArgs a) {
 }
 
 // Unclustered, 3: normalise the block's rows with its groups' statistics.
-template <typename T, int V, Act A>
+template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_kernel(const ForwardArgs a) {
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/true);
+  const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
   if (!b.active) return;  // no barriers in this kernel
   const int64_t offset = b.n * g.S * g.C + b.c0;
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
-  const LaneAffine<V> l(reinterpret_cast<const float4*>(a.group_stats)[b.n * g.G + b.group], affine);
+  const auto l = lane_affine<V, Straddle>(reinterpret_cast<const float4*>(a.group_stats) + b.n * g.G + b.group,
+                                          affine, b);
   normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<T*>(a.y) + offset, g, b,
                               thread_rows(g, b), l);
 }
 
+template <typename T, int V, Act A, bool Straddle>
+void launch_forward_kernels(const ForwardArgs& a, cudaStream_t stream) {
+  const Geometry& g = a.geo;
+  if (g.clustered) return launch_kernel(forward_kernel<T, V, A, Straddle>, g, stream, a);
+  launch_kernel(stats_kernel<T, V, Straddle>, g, stream, a);
+  const unsigned finalize_blocks = (unsigned)((g.N * g.G + kFinalizeThreads / 32 - 1) / (kFinalizeThreads / 32));
+  finalize_kernel<<<finalize_blocks, kFinalizeThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(normalize_kernel<T, V, A, Straddle>, g, stream, a);
+}
+
+// Straddling geometries exist for 16-byte vectors of 16-bit types only (straddling_vec).
+template <typename T, int V>
+constexpr bool kStraddles = sizeof(T) == 2 && V == 8;
+
 template <typename T, int V, Act A>
 struct ForwardKernels {
   static void fn(const ForwardArgs& a, cudaStream_t stream) {
-    const Geometry& g = a.geo;
-    if (g.clustered) return launch_kernel(forward_kernel<T, V, A>, g, stream, a);
-    launch_kernel(stats_kernel<T, V>, g, stream, a);
-    const unsigned finalize_blocks = (unsigned)((g.N * g.G + kFinalizeThreads / 32 - 1) / (kFinalizeThreads / 32));
-    finalize_kernel<<<finalize_blocks, kFinalizeThreads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    launch_kernel(normalize_kernel<T, V, A>, g, stream, a);
+    if constexpr (kStraddles<T, V>) {
+      if (a.geo.straddle) return launch_forward_kernels<T, V, A, true>(a, stream);
+    }
+    launch_forward_kernels<T, V, A, false>(a, stream);
   }
 };
 
+// Both kernels of a 16-byte vector width (straddling or not) are opted in to large clusters.
 template <typename T, int V, Act A>
 struct ForwardMaxCluster {
   static int fn() {
     static std::array<std::atomic<int>, 64> cache{};
-    return query_max_cluster(forward_kernel<T, V, A>, cache);
+    const int whole_groups = query_max_cluster(forward_kernel<T, V, A, false>, cache);
+    if constexpr (kStraddles<T, V>) {
+      static std::array<std::atomic<int>, 64> straddle_cache{};
+      return std::min(whole_groups, query_max_cluster(forward_kernel<T, V, A, true>, straddle_cache));
+    }
+    return whole_groups;
   }
 };
 

@@ -1,5 +1,6 @@
 // Choice of block geometry (see Geometry in group_norm_act.h). Host-only, no CUDA calls.
 #include <algorithm>
+#include <numeric>
 
 #include "group_norm_act.h"
 
@@ -31,18 +32,29 @@ int choose_vec(int64_t D, int elem_size, int64_t alignment) {
   return vec;
 }
 
+int straddling_vec(int64_t D, int64_t G, int elem_size, int64_t alignment) {
+  const int full = 16 / elem_size;
+  if (elem_size != 2 || alignment % 16 != 0 || D < full || D % full == 0 || D > kMaxTileChannels) return 0;
+  // Tiles of whole vectors: a multiple of `groups` groups.
+  const int64_t groups = full / std::gcd<int64_t>(D, full);
+  return G % groups == 0 && groups * D <= kMaxTileChannels ? full : 0;
+}
+
 namespace {
 
+// Vectors of a tile of k groups (0 if k groups are not whole vectors, as with straddling vectors).
+int64_t vecs_of(const Geometry& g, int64_t k) { return (k * g.D) % g.vec == 0 ? k * g.D / g.vec : 0; }
+
 // Groups per tile: the fewest (most tiles) whose row segment has at least `segment_bytes` and, for images of few
-// rows, gives a block some threads; a divisor of G, so that tiles are whole and equal.
+// rows, gives a block some threads; a divisor of G, so that tiles are whole and equal, and whole vectors.
 int64_t groups_per_tile(const Geometry& g, int elem_size, int64_t segment_bytes) {
-  const int64_t max_groups =
-      std::max<int64_t>(1, std::min<int64_t>(kMaxThreads / g.vecs_per_group, (int64_t)kMaxTileChannels / g.D));
-  int64_t groups = 1;
-  for (int64_t k = 1; k <= std::min(g.G, max_groups); ++k) {
-    if (g.G % k != 0) continue;
+  int64_t groups = 0;
+  for (int64_t k = 1; k <= g.G; ++k) {
+    if (groups > 0 && (k * g.D > kMaxTileChannels || k * g.D > (int64_t)kMaxThreads * g.vec)) break;
+    const int64_t vecs = vecs_of(g, k);
+    if (g.G % k != 0 || vecs == 0) continue;
     groups = k;
-    if (k * g.D * elem_size >= segment_bytes && k * g.vecs_per_group * std::min<int64_t>(g.S, 64) >= 64) break;
+    if (k * g.D * elem_size >= segment_bytes && vecs * std::min<int64_t>(g.S, 64) >= 64) break;
   }
   return groups;
 }
@@ -50,7 +62,7 @@ int64_t groups_per_tile(const Geometry& g, int elem_size, int64_t segment_bytes)
 // The fewest groups per tile whose row segment is a whole number of sectors, within kAlignedTileMinBlockRows rows
 // of threads per block; 0 if there is none.
 int64_t sector_aligned_groups(const Geometry& g, int elem_size) {
-  for (int64_t k = 1; k <= g.G && k * g.vecs_per_group * kAlignedTileMinBlockRows <= kMaxThreads; ++k) {
+  for (int64_t k = 1; k <= g.G && k * g.D * kAlignedTileMinBlockRows <= (int64_t)kMaxThreads * g.vec; ++k) {
     if (g.G % k == 0 && (k * g.D * elem_size) % kSectorBytes == 0 && k * g.D <= kMaxTileChannels) return k;
   }
   return 0;
@@ -58,7 +70,7 @@ int64_t sector_aligned_groups(const Geometry& g, int elem_size) {
 
 void set_tiles(Geometry& g, int64_t groups) {
   g.groups_per_tile = (int)groups;
-  g.tile_vecs = (int)(groups * g.vecs_per_group);
+  g.tile_vecs = (int)vecs_of(g, groups);
   g.tiles = g.G / groups;
 }
 
@@ -79,8 +91,9 @@ Geometry with_dividers(Geometry g) {
   g.div_tiles = FastDivider::of((uint32_t)g.tiles);
   g.div_images = FastDivider::of((uint32_t)g.images);
   g.div_tile_vecs = FastDivider::of((uint32_t)g.tile_vecs);
-  g.div_vecs_per_group = FastDivider::of((uint32_t)g.vecs_per_group);
+  g.div_vecs_per_group = FastDivider::of(g.straddle ? 1u : (uint32_t)g.vecs_per_group);
   g.div_block_rows = FastDivider::of((uint32_t)g.block_rows);
+  g.div_D = FastDivider::of(g.straddle ? (uint32_t)g.D : 1u);
   return g;
 }
 
@@ -95,8 +108,10 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   g.G = G;
   g.D = C / G;
   g.vec = vec;
-  g.vecs_per_group = (int)(g.D / vec);
-  const int rows_cap = resident_rows(pass, vec * elem_size);
+  g.straddle = g.D % vec != 0;
+  g.vecs_per_group = g.straddle ? 0 : (int)(g.D / vec);
+  g.reread_reversed = N * S * C * elem_size > limits.l2_bytes;
+  const int rows_cap = resident_rows(pass, vec * elem_size, g.straddle);
   const int64_t per_sm = pass == Pass::kForward ? kForwardBlocksPerSm : kBackwardBlocksPerSm;
   auto capacity = [&](const Geometry& s) {  // blocks resident at once
     return limits.num_sms * std::max<int64_t>(1, per_sm * kMaxThreads / s.threads());

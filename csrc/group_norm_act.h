@@ -35,6 +35,7 @@ constexpr int kMaxTileChannels = 1024;
 struct DeviceLimits {
   int num_sms = 1;
   int max_cluster = 1;  // 1: no thread-block clusters (before sm_90)
+  int64_t l2_bytes = 0;  // L2 cache size
 };
 
 // Division of an unsigned n < 2^31 by a fixed divisor d (1 <= d < 2^31) as a multiply-high, an add and a shift
@@ -69,7 +70,9 @@ enum class Pass : int { kForward = 0, kBackward = 1 };
 
 // How one (N, S, C) channels-last tensor is cut into thread blocks.
 //   - A row is one spatial position: C contiguous channels, read as vectors of `vec` elements. vec divides the
-//     group size D, so every vector (every thread) lies in one group.
+//     group size D, so every vector (every thread) lies in one group; except in the forward's `straddle`
+//     geometries, whose 16-byte vectors may span two groups (D > vec, not a multiple of it: C = 320 or 960 with
+//     G = 32), each thread then keeping statistics for both.
 //   - A tile is `groups_per_tile` consecutive groups: tile_vecs = groups_per_tile * vecs_per_group vectors of a
 //     row. Block threads are (rowlane, col) with col < tile_vecs fastest; a block walks its rows block_rows at a
 //     time.
@@ -87,7 +90,8 @@ struct Geometry {
   int64_t G = 0;  // groups
   int64_t D = 0;  // channels per group, C / G
   int vec = 1;
-  int vecs_per_group = 1;
+  bool straddle = false;
+  int vecs_per_group = 1;  // D / vec; 0 when straddle (groups are not whole vectors)
   int groups_per_tile = 1;
   int tile_vecs = 1;
   int64_t tiles = 1;
@@ -101,8 +105,12 @@ struct Geometry {
   // the weight and bias gradients over the images itself (else a second kernel does). Blocks are then ordered
   // (tile, n, split) instead of (n, tile, split).
   int64_t images = 1;
-  // Dividers by splits, tiles, images, tile_vecs, vecs_per_group and block_rows (geometry.cpp's with_dividers).
-  FastDivider div_splits, div_tiles, div_images, div_tile_vecs, div_vecs_per_group, div_block_rows;
+  // The forward's normalising pass reads streamed rows again last first: set where the tensor outgrows L2, whose
+  // most recently read rows are then the only ones still there.
+  bool reread_reversed = false;
+  // Dividers by splits, tiles, images, tile_vecs, vecs_per_group (1 when straddle), block_rows and, when straddle,
+  // D (else 1) (geometry.cpp's with_dividers).
+  FastDivider div_splits, div_tiles, div_images, div_tile_vecs, div_vecs_per_group, div_block_rows, div_D;
 
   int threads() const { return (tile_vecs * block_rows + 31) / 32 * 32; }
   int64_t blocks() const { return N * tiles * splits; }
@@ -119,17 +127,26 @@ constexpr int pack_registers(int vec_bytes) { return vec_bytes < 4 ? 1 : vec_byt
 constexpr int rows_in_registers(int registers, int vec_bytes, int cap) {
   return registers / pack_registers(vec_bytes) < cap ? registers / pack_registers(vec_bytes) : cap;
 }
-constexpr int resident_rows(Pass pass, int vec_bytes) {
-  return pass == Pass::kForward ? rows_in_registers(24, vec_bytes, 16) : rows_in_registers(16, vec_bytes, 8);
+// Straddling vectors (the forward's) keep per-lane sums and references besides: 12 registers of rows (24 spilled
+// ~100 bytes under the cap, 16 ~40 bytes; ptxas -v).
+constexpr int resident_rows(Pass pass, int vec_bytes, bool straddle = false) {
+  if (pass == Pass::kBackward) return rows_in_registers(16, vec_bytes, 8);
+  return rows_in_registers(straddle ? 12 : 24, vec_bytes, 16);
 }
 
 // The widest vector (elements) that divides D, fits 16 bytes and keeps every accessed pointer aligned.
 // `alignment`: the largest power of two dividing every data pointer's address (bytes).
 int choose_vec(int64_t D, int elem_size, int64_t alignment);
 
-// The geometry of `pass` for vector width `vec` (from choose_vec).
+// Vectors of 16 bytes whose lanes may straddle two groups, for a forward where choose_vec's are narrower: their
+// width if the elements are 16-bit, D is larger than a vector (not a multiple of it), tiles of whole vectors
+// exist and the pointers are 16-byte aligned; else 0.
+int straddling_vec(int64_t D, int64_t G, int elem_size, int64_t alignment);
+
+// The geometry of `pass` for vector width `vec` (from choose_vec, or straddling_vec for the forward).
 Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, int elem_size, int vec,
                        const DeviceLimits& limits);
+
 
 struct ForwardArgs {
   Geometry geo;

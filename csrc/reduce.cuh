@@ -44,6 +44,44 @@ __device__ __forceinline__ void block_group_stats(const Welford& w, Welford* ite
   }
 }
 
+// block_group_stats for straddling vectors (Geometry::straddle): thread t contributes lo to the group of its
+// vector's first channel and hi to the next group (empty when its vector lies in one group). A tile group's
+// contributors in each row are the vectors from the one holding its first channel to the one holding its last:
+// the first of them through hi when it starts in the previous group.
+// items, items_hi and partial: kMaxThreads entries of shared memory.
+__device__ __forceinline__ void block_group_stats_straddle(const Welford& lo, const Welford& hi, Welford* items,
+                                                           Welford* items_hi, Welford* partial, Welford* out,
+                                                           const Geometry& g) {
+  items[threadIdx.x] = lo;
+  items_hi[threadIdx.x] = hi;
+  __syncthreads();
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = g.groups_per_tile, D = (int)g.D;
+  const int warps_per_group = max(1, warps / groups);
+  const int concurrent = warps / warps_per_group;
+  for (int g0 = 0; g0 < groups; g0 += concurrent) {  // uniform across the block
+    const int gl = g0 + warp / warps_per_group, part = warp % warps_per_group;
+    const bool on = warp < concurrent * warps_per_group && gl < groups;
+    Welford acc{};
+    if (on) {
+      const int first = gl * D / g.vec, cols = ((gl + 1) * D - 1) / g.vec - first + 1;
+      for (int i = part * 32 + lane; i < cols * g.block_rows; i += warps_per_group * 32) {
+        const int rowlane = i / cols, col = first + i - rowlane * cols;
+        const Welford* from = col * g.vec < gl * D ? items_hi : items;
+        acc = welford_combine(acc, from[rowlane * g.tile_vecs + col]);
+      }
+    }
+    acc = lanes_reduce(acc, 32, welford_combine);
+    if (on && lane == 0) partial[gl * warps_per_group + part] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x < groups) {
+    Welford acc{};
+    for (int p = 0; p < warps_per_group; ++p) acc = welford_combine(acc, partial[threadIdx.x * warps_per_group + p]);
+    out[threadIdx.x] = acc;
+  }
+}
+
 // Per-channel totals of a block. Thread t contributes acc[j] for channel (col * V + j) of the tile; afterwards
 // out[ch] holds the block's total of tile channel ch < tile_vecs * V (valid after a barrier).
 // items: kMaxThreads * V entries of shared memory. `per` lanes (a power of two) sum the rowlanes of one channel.

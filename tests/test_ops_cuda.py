@@ -55,6 +55,11 @@ CASES = {
     "many_images": ((513, 32, 3, 3), 8),
     "backward_cluster_of_4_images": ((4, 320, 16, 16), 32),  # backward: 2 splits of each of 4 images, one cluster
     "rows_not_multiple": ((3, 96, 30, 50), 32),           # the last block's rows partial
+    # 16-bit forwards whose rows stream: 16-byte vectors straddling two groups (4-byte vectors in float32)
+    "straddling_10": ((2, 320, 64, 64), 32),              # groups of 10 channels, tiles of 4 groups
+    "straddling_12": ((2, 384, 64, 64), 32),              # 12 (Kandinsky 2.2), tiles of 2
+    "straddling_30": ((2, 960, 64, 64), 32),              # 30: a vector's lanes 2 + 6 or 6 + 2
+    "straddling_unclustered": ((1, 320, 256, 256), 32),   # a 42 MB image: three kernels
 }
 SMALL = ["sd_resnet", "sd_mid", "group_size_1", "single_group", "group_size_5", "prime_group_size_131", "hw_1",
          "rank2", "rank3_transposed", "rank5", "rows_not_multiple"]
@@ -169,6 +174,27 @@ def test_per_sample_scale_shift(case, dtype, param_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered"])
+def test_straddling_vectors_keep_groups_apart(case, dtype):
+    """A NaN, an inf and an outlier in the channels a straddling vector shares between two groups: each reaches its
+    own group's statistics and outputs only, as with F.group_norm."""
+    shape, groups = CASES[case]
+    size = shape[1] // groups
+    x = random_input(shape, dtype, "cuda")
+    x[0, size - 1, 0, 0] = float("nan")  # image 0, group 0's last channel: its vector's other lanes are group 1's
+    x[1 % shape[0], 2 * size + 1, 5, 7] = float("inf")  # group 2's second channel, with group 1's last ones
+    x[0, 5 * size - 1, 3, 3] = 3000.0  # group 4's last channel, with group 5's first ones
+    w, b = affine(shape[1], dtype)
+    poisoned(x)
+    y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, "silu")
+    assert_same_nonfinite(y, reference(x, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="y")
+    xg = x.double().reshape(shape[0], groups, -1)
+    finite = torch.isfinite(xg).all(-1)
+    assert_close(rstd[finite], torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5)[finite], atol=0, rtol=1e-4,
+                 what="rstd of the groups without NaN or inf")
+
+
 @pytest.mark.parametrize("case", ["sd_resnet", "vae_rows", "odd_channels_scalar_path"])
 def test_float32_params_with_half_input(case, dtype):
     """fp32 master weights (autocast, mixed precision training) with fp16/bf16 activations."""
@@ -219,7 +245,7 @@ def test_large_offset_small_variance(case):
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
 @pytest.mark.parametrize("dtype,value", [(torch.float32, 2000.0), (torch.float16, 5000.0)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", ["vae_outlier", "sd_resnet", "sd_resnet_large", "many_images_streaming",
-                                  "single_group"])
+                                  "single_group", "straddling_10", "straddling_30"])
 def test_outlier_statistics(case, dtype, value, position):
     """One element far from the rest (VAE decoders carry such activations), wherever it sits in its group: rstd
     within 1e-4 of float64 in every geometry."""

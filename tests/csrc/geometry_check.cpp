@@ -12,6 +12,7 @@ using gn_patch::Geometry;
 using gn_patch::Pass;
 
 int checked = 0;
+constexpr long long kL2Bytes = 60LL << 20;
 
 bool fail(const char* what, const Geometry& g, int elem, long long alignment, int max_cluster) {
   std::printf("violated: %s (N=%lld S=%lld C=%lld G=%lld elem=%d alignment=%lld max_cluster=%d: vec=%d "
@@ -42,10 +43,13 @@ bool divides_exactly(const gn_patch::FastDivider& f, long long d) {
 bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_cluster) {
   ++checked;
   auto bad = [&](const char* what) { return fail(what, g, elem, alignment, max_cluster); };
-  if (g.vec < 1 || (g.vec & (g.vec - 1)) || g.vec * elem > 16 || g.D % g.vec || alignment % (g.vec * elem))
-    return bad("vector width: a power of two dividing D, within 16 bytes and the alignment");
-  if (g.vecs_per_group * g.vec != g.D) return bad("vectors per group");
-  if (g.tile_vecs != g.groups_per_tile * g.vecs_per_group) return bad("tiles of whole groups");
+  if (g.vec < 1 || (g.vec & (g.vec - 1)) || g.vec * elem > 16 || (!g.straddle && g.D % g.vec) ||
+      alignment % (g.vec * elem))
+    return bad("vector width: a power of two dividing D (unless straddling), within 16 bytes and the alignment");
+  if (g.straddle && (pass != Pass::kForward || g.vec * elem != 16 || elem != 2 || g.D < g.vec || g.D % g.vec == 0))
+    return bad("straddling vectors: the forward's 16-byte vectors of 16-bit elements, within two groups");
+  if (g.straddle ? g.vecs_per_group != 0 : g.vecs_per_group * g.vec != g.D) return bad("vectors per group");
+  if ((long long)g.tile_vecs * g.vec != g.groups_per_tile * g.D) return bad("tiles of whole groups and vectors");
   if (g.tiles * g.groups_per_tile != g.G) return bad("tiles cover the groups exactly");
   if (g.tile_vecs * g.vec > gn_patch::kMaxTileChannels && g.groups_per_tile > 1) return bad("tile channels");
   if (g.tile_vecs * g.block_rows > gn_patch::kMaxThreads || g.threads() > gn_patch::kMaxThreads ||
@@ -62,13 +66,15 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
   } else if (g.resident) {
     return bad("unclustered geometries stream their rows");
   }
-  if (g.resident && g.rows_per_thread > gn_patch::resident_rows(pass, g.vec * elem))
+  if (g.resident && g.rows_per_thread > gn_patch::resident_rows(pass, g.vec * elem, g.straddle))
     return bad("resident rows fit the registers");
   if (!g.clustered && g.images != 1) return bad("unclustered geometries keep images apart");
-  const gn_patch::FastDivider* dividers[] = {&g.div_splits, &g.div_tiles,          &g.div_images,
-                                             &g.div_tile_vecs, &g.div_vecs_per_group, &g.div_block_rows};
-  const long long divisors[] = {g.splits, g.tiles, g.images, g.tile_vecs, g.vecs_per_group, g.block_rows};
-  for (int i = 0; i < 6; ++i) {
+  if (g.reread_reversed != (g.N * g.S * g.C * elem > kL2Bytes)) return bad("rows re-read last first beyond L2");
+  const gn_patch::FastDivider* dividers[] = {&g.div_splits,         &g.div_tiles,      &g.div_images, &g.div_tile_vecs,
+                                             &g.div_vecs_per_group, &g.div_block_rows, &g.div_D};
+  const long long divisors[] = {g.splits,   g.tiles, g.images, g.tile_vecs, g.straddle ? 1 : g.vecs_per_group,
+                                g.block_rows, g.straddle ? g.D : 1};
+  for (int i = 0; i < 7; ++i) {
     if (!divides_exactly(*dividers[i], divisors[i])) return bad("fast dividers equal integer division");
   }
   return true;
@@ -87,12 +93,18 @@ int main() {
           for (long long alignment : {16LL, 8LL, 2LL}) {
             const long long D = cg[0] / cg[1];
             if (alignment < elem || !(D <= gn_patch::kMaxTileChannels)) continue;
-            const int vec = gn_patch::choose_vec(D, elem, alignment);
-            if (D / vec > gn_patch::kMaxThreads) continue;  // the op copies to an aligned buffer first
+            if (D / gn_patch::choose_vec(D, elem, alignment) > gn_patch::kMaxThreads) continue;  // copied first
+            // The forward may also take straddling vectors (ops.cpp: where the rows are not resident).
+            const int narrow = gn_patch::choose_vec(D, elem, alignment);
+            const int wide = gn_patch::straddling_vec(D, cg[1], elem, alignment);
             for (Pass pass : {Pass::kForward, Pass::kBackward}) {
-              for (int max_cluster : {1, 8, 16}) {
-                const Geometry g = gn_patch::make_geometry(pass, N, S, cg[0], cg[1], elem, vec, {132, max_cluster});
-                if (!check(pass, g, elem, alignment, max_cluster)) return 1;
+              for (int vec : {narrow, pass == Pass::kForward ? wide : 0}) {
+                if (vec == 0) continue;
+                for (int max_cluster : {1, 8, 16}) {
+                  const Geometry g =
+                      gn_patch::make_geometry(pass, N, S, cg[0], cg[1], elem, vec, {132, max_cluster, kL2Bytes});
+                  if (!check(pass, g, elem, alignment, max_cluster)) return 1;
+                }
               }
             }
           }
@@ -103,10 +115,17 @@ int main() {
   // Batches of many (image, group) pairs: forward tiles end on sector boundaries ((32, 640, 64, 64), fp16: 4 groups
   // of 40 bytes), unless that leaves a block fewer than 4 rows of threads ((32, 960, 64, 64): whole sectors would
   // take 8 groups of 60 bytes, 120 vectors).
-  const Geometry wide = gn_patch::make_geometry(Pass::kForward, 32, 4096, 640, 32, 2, 4, {132, 16});
+  const Geometry wide = gn_patch::make_geometry(Pass::kForward, 32, 4096, 640, 32, 2, 4, {132, 16, kL2Bytes});
   if (wide.groups_per_tile * wide.D * 2 % 32 != 0) return fail("sector-aligned tiles", wide, 2, 16, 16) ? 0 : 1;
-  const Geometry narrow = gn_patch::make_geometry(Pass::kForward, 32, 4096, 960, 32, 2, 2, {132, 16});
+  const Geometry narrow = gn_patch::make_geometry(Pass::kForward, 32, 4096, 960, 32, 2, 2, {132, 16, kL2Bytes});
   if (narrow.block_rows < 4) return fail("rows of threads in sector-aligned tiles", narrow, 2, 16, 16) ? 0 : 1;
+  // C = 320 and 960 with G = 32 in 16-bit types: the forward's vectors may straddle groups (16 bytes, not 4).
+  for (long long C : {320LL, 960LL}) {
+    if (gn_patch::straddling_vec(C / 32, 32, 2, 16) != 8 || gn_patch::choose_vec(C / 32, 2, 16) != 2) {
+      std::printf("violated: straddling vectors for C=%lld\n", C);
+      return 1;
+    }
+  }
   std::printf("ok: %d geometries\n", checked);
   return 0;
 }

@@ -174,27 +174,6 @@ def test_per_sample_scale_shift(case, dtype, param_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered"])
-def test_straddling_vectors_keep_groups_apart(case, dtype):
-    """A NaN, an inf and an outlier in the channels a straddling vector shares between two groups: each reaches its
-    own group's statistics and outputs only, as with F.group_norm."""
-    shape, groups = CASES[case]
-    size = shape[1] // groups
-    x = random_input(shape, dtype, "cuda")
-    x[0, size - 1, 0, 0] = float("nan")  # image 0, group 0's last channel: its vector's other lanes are group 1's
-    x[1 % shape[0], 2 * size + 1, 5, 7] = float("inf")  # group 2's second channel, with group 1's last ones
-    x[0, 5 * size - 1, 3, 3] = 3000.0  # group 4's last channel, with group 5's first ones
-    w, b = affine(shape[1], dtype)
-    poisoned(x)
-    y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, "silu")
-    assert_same_nonfinite(y, reference(x, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="y")
-    xg = x.double().reshape(shape[0], groups, -1)
-    finite = torch.isfinite(xg).all(-1)
-    assert_close(rstd[finite], torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5)[finite], atol=0, rtol=1e-4,
-                 what="rstd of the groups without NaN or inf")
-
-
 @pytest.mark.parametrize("case", ["sd_resnet", "vae_rows", "odd_channels_scalar_path"])
 def test_float32_params_with_half_input(case, dtype):
     """fp32 master weights (autocast, mixed precision training) with fp16/bf16 activations."""
@@ -260,6 +239,27 @@ def test_outlier_statistics(case, dtype, value, position):
     xg = x.double().reshape(shape[0], groups, -1)
     assert_close(rstd, torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5), atol=0, rtol=1e-4, what="rstd")
     assert_close(mean, xg.mean(-1), atol=1e-5, rtol=1e-5, what="mean")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered"])
+def test_straddling_vectors_keep_groups_apart(case, dtype):
+    """A NaN, an inf and an outlier in the channels a straddling vector shares between two groups: each reaches its
+    own group's statistics and outputs only, as with F.group_norm."""
+    shape, groups = CASES[case]
+    size = shape[1] // groups
+    x = random_input(shape, dtype, "cuda")
+    x[0, size - 1, 0, 0] = float("nan")  # image 0, group 0's last channel: its vector's other lanes are group 1's
+    x[1 % shape[0], 2 * size + 1, 5, 7] = float("inf")  # group 2's second channel, with group 1's last ones
+    x[0, 5 * size - 1, 3, 3] = 3000.0  # group 4's last channel, with group 5's first ones
+    w, b = affine(shape[1], dtype)
+    poisoned(x)
+    y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, "silu")
+    assert_same_nonfinite(y, reference(x, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="y")
+    xg = x.double().reshape(shape[0], groups, -1)
+    finite = torch.isfinite(xg).all(-1)
+    assert_close(rstd[finite], torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5)[finite], atol=0, rtol=1e-4,
+                 what="rstd of the groups without NaN or inf")
 
 
 @pytest.mark.parametrize("activation", ACTS)

@@ -175,7 +175,8 @@ __device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, con
 
 // Streams the thread's rows, last batch first where the tensor outgrows L2 (Geometry::reread_reversed): the
 // statistics pass read them first to last, so the rows still in L2 come first (on the H200, up to 6% off the
-// batch-32 shapes whose blocks' rows outgrow L2 together; where the whole tensor stays in L2, 2-9% slower).
+// batch-32 shapes whose blocks' rows outgrow L2 together). Where the whole tensor stays in L2 there is nothing to
+// gain: one peers run measured the reversed order 2-9% slower at three such shapes (benchmarks/NOTES.md).
 template <typename T, int V, Act A, bool Straddle>
 __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
                                                    int64_t rows, const LaneAffine<V, Straddle>& l) {

@@ -71,8 +71,8 @@ enum class Pass : int { kForward = 0, kBackward = 1 };
 // How one (N, S, C) channels-last tensor is cut into thread blocks.
 //   - A row is one spatial position: C contiguous channels, read as vectors of `vec` elements. vec divides the
 //     group size D, so every vector (every thread) lies in one group; except in the forward's `straddle`
-//     geometries, whose 16-byte vectors may span two groups (D > vec, not a multiple of it: C = 320 or 960 with
-//     G = 32), each thread then keeping statistics for both.
+//     geometries, whose 16-byte vectors may span two groups (D > vec, not a multiple of it: C = 320, 384, 640 or
+//     960 with G = 32), each thread then keeping statistics for both.
 //   - A tile is `groups_per_tile` consecutive groups: tile_vecs = groups_per_tile * vecs_per_group vectors of a
 //     row. Block threads are (rowlane, col) with col < tile_vecs fastest; a block walks its rows block_rows at a
 //     time.

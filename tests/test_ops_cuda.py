@@ -258,6 +258,7 @@ def test_straddling_vectors_keep_groups_apart(case, dtype):
     assert_same_nonfinite(y, reference(x, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="y")
     xg = x.double().reshape(shape[0], groups, -1)
     finite = torch.isfinite(xg).all(-1)
+    assert_close(mean[finite], xg.mean(-1)[finite], atol=1e-5 * 3.0, rtol=1e-5, what="mean of the finite groups")
     assert_close(rstd[finite], torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5)[finite], atol=0, rtol=1e-4,
                  what="rstd of the groups without NaN or inf")
 

@@ -106,6 +106,28 @@ def test_patched_forward_uses_the_fused_activation(case):
             assert rel_l2(run(patched), expected) < 1e-6
 
 
+@pytest.mark.parametrize("case", ["default", "skip_time_act_scale_groups_out"])
+def test_resnet_block_divides_by_output_scale_factor_only_when_not_one(case):
+    """The patched block skips the residual sum's division by an output_scale_factor of 1.0 (x / 1.0 is x), and
+    divides by any other factor as stock does; the outputs match stock in both cases (test_resnet_block_2d)."""
+    block = make_resnet(**RESNET_CASES[case])
+    run = run_resnet(block)
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    divisions = []
+    for model in (block, patched):
+        with torch.no_grad(), OpCounter() as ops:
+            run(model)
+        divisions.append(sum(n for name, n in ops.calls.items() if name.startswith("aten::div")))
+    assert divisions[0] - divisions[1] == (1 if block.output_scale_factor == 1.0 else 0)
+
+
+@pytest.mark.parametrize("statement", ["y = x + 1", "y = x / self.output_scale_factor / self.output_scale_factor"])
+def test_unscaled_rewrite_needs_exactly_one_division(statement):
+    with pytest.raises(rules.fusion.RuleError, match=r"divisions by self\.output_scale_factor"):
+        rules.fusion.unscaled(statement)
+
+
 def test_deprecated_scale_argument_warns_like_stock():
     block = make_resnet()
     patched = copy.deepcopy(block)

@@ -64,7 +64,7 @@ def attention(s: Surgery, name: str, attn: Attention) -> None:
 
 # Stable Video Diffusion's transformer ends like Transformer2DModel, with an NCHW copy of its output; from
 # channels-last input it keeps that layout (the permuted view already is channels_last).
-fusion(TransformerSpatioTemporalModel, "c09d8a8e8e6d3251", alone={"norm"}, layout={
+fusion(TransformerSpatioTemporalModel, "c09d8a8e8e6d3251", alone={"norm"}, rewrites={
     "hidden_states = hidden_states.reshape(batch_frames, height, width, inner_dim).permute(0, 3, 1, 2).contiguous()":
         "hidden_states = hidden_states.reshape(batch_frames, height, width, inner_dim).permute(0, 3, 1, 2)"
         ".contiguous(memory_format=torch.channels_last if residual.stride(1) == 1 else torch.contiguous_format)"})
@@ -73,7 +73,7 @@ fusion(TransformerSpatioTemporalModel, "c09d8a8e8e6d3251", alone={"norm"}, layou
 # modulation by a full tensor (not per sample): the GroupNorm runs alone. The interpolated latent takes f's layout,
 # so that the 1x1 conv_y/conv_b (which follow their input's layout) and the elementwise ops stay NHWC (see
 # ZQ_LIKE_F_2D).
-fusion(SpatialNorm, "e90292c0c0feb29b", alone={"norm_layer"}, layout={
+fusion(SpatialNorm, "e90292c0c0feb29b", alone={"norm_layer"}, rewrites={
     "zq = F.interpolate(zq, size=f_size, mode='nearest')":
         "zq = F.interpolate(zq, size=f_size, mode='nearest')" + ZQ_LIKE_F_2D})
 

@@ -11,6 +11,9 @@ block's own source with two edits, made on its syntax tree:
 * a per-sample modulation of a norm's output, ``h = self.norm2(h); h = h * (1 + scale) + shift`` (or
   ``self.norm(x) * (scale + 1.0) + shift``), becomes ``h = self.norm2(h, scale=scale, shift=shift)``, which
   GroupNormAct computes in the same order.
+* statements the rule lists as ``rewrites`` are replaced by ones that compute the same values with less memory
+  traffic: a copy to the standard layout that keeps the channels-last layout instead, a division by an
+  ``output_scale_factor`` of 1.0 skipped (``unscaled``).
 
 Nothing else changes, and each edit must apply exactly as the rule declares, else the rule raises (a rule error
 the tests catch). The source is the one recorded with ``verified``: on other code the rule does not apply. The
@@ -224,9 +227,9 @@ class Fusion:
             concatenated, the wrapper returns: an activation after the wrapper can be fused into that norm.
         modulated_if: for a class whose forward modulates only in some configurations, whether an instance does
             (names the fusion ``+scale_shift`` in the report).
-        layout: statement source -> replacement, for statements that copy a channels-last tensor to the standard
-            layout (``x.contiguous()``, a reshape through an NCHW copy); the replacement keeps the layout the input
-            came in, with the same values.
+        rewrites: statement source -> replacement computing the same values with less memory traffic: a copy of a
+            channels-last tensor to the standard layout (``x.contiguous()``, a reshape through an NCHW copy) that
+            keeps the layout the input came in, a division by a factor of 1.0 skipped (``unscaled``).
     """
 
     cls: type
@@ -235,7 +238,7 @@ class Fusion:
     alone: set[str] = field(default_factory=set)
     output: str | None = None
     modulated_if: Callable[[nn.Module], bool] | None = None
-    layout: dict[str, str] = field(default_factory=dict)
+    rewrites: dict[str, str] = field(default_factory=dict)
     fused_cls: type | None = None  # generated on first use (only when the forward is edited)
 
     @property
@@ -244,7 +247,7 @@ class Fusion:
 
     @property
     def edits(self) -> bool:
-        return bool(self.activations or self.modulated or self.layout)
+        return bool(self.activations or self.modulated or self.rewrites)
 
 
 FUSIONS: dict[type, Fusion] = {}  # original class -> spec
@@ -274,8 +277,8 @@ def _resolver(globals_: dict) -> Callable[[ast.AST], str]:
 
 
 def _replace_statements(function: ast.FunctionDef, spec: Fusion) -> None:
-    """Apply ``spec.layout``: each statement must occur exactly once."""
-    replacements = {ast.dump(ast.parse(old).body[0]): ast.parse(new).body[0] for old, new in spec.layout.items()}
+    """Apply ``spec.rewrites``: each statement must occur exactly once."""
+    replacements = {ast.dump(ast.parse(old).body[0]): ast.parse(new).body[0] for old, new in spec.rewrites.items()}
     found: list[str] = []
     for node in ast.walk(function):
         for _, value in ast.iter_fields(node):
@@ -286,8 +289,29 @@ def _replace_statements(function: ast.FunctionDef, spec: Fusion) -> None:
                         value[i] = replacements[key]
                         found.append(key)
     if sorted(found) != sorted(replacements):
-        raise RuleError(f"{spec.cls.__qualname__}.forward: {len(replacements)} layout statement(s) to replace once "
+        raise RuleError(f"{spec.cls.__qualname__}.forward: {len(replacements)} statement(s) to rewrite once "
                         f"each, found {len(found)}")
+
+
+def unscaled(statement: str, factor: str = "self.output_scale_factor") -> dict[str, str]:
+    """The rewrite of ``statement`` that skips its division by ``factor`` where the factor is 1.0, as a ``rewrites``
+    entry. diffusers' resnet blocks end with ``(input_tensor + hidden_states) / self.output_scale_factor``, 1.0 in
+    every Stable Diffusion UNet and VAE: a pass over the block's output (one read, one write) that returns its
+    input, since x / 1.0 is x exactly (NaN, infinities and -0.0 included), and whose backward divides the gradient
+    by 1.0 likewise. ``statement`` must divide by ``factor`` exactly once."""
+    tree = ast.parse(statement).body[0]
+    divisions = [node for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+                 and ast.unparse(node.right) == factor]
+    if len(divisions) != 1:
+        raise RuleError(f"{statement!r}: {len(divisions)} divisions by {factor}, expected one")
+    division = divisions[0]
+    skipped = ast.parse(f"_ if {factor} == 1.0 else _", mode="eval").body
+    skipped.body, skipped.orelse = division.left, ast.BinOp(division.left, ast.Div(), division.right)
+    for parent in ast.walk(tree):
+        for name, value in ast.iter_fields(parent):
+            if value is division:
+                setattr(parent, name, skipped)
+    return {statement: ast.unparse(ast.fix_missing_locations(tree))}
 
 
 def _generate_forward(spec: Fusion) -> Callable:
@@ -461,10 +485,10 @@ def _handler(spec: Fusion) -> Callable[[Surgery, str, nn.Module], None]:
 
 def fusion(cls: type, digest: str, *, activations: dict[str, str] | None = None, modulated=(), alone=(),
            output: str | None = None, modulated_if: Callable[[nn.Module], bool] | None = None,
-           layout: dict[str, str] | None = None) -> Fusion:
+           rewrites: dict[str, str] | None = None) -> Fusion:
     """Declare how ``cls``'s forward, read as it is with source ``digest``, uses its GroupNorms; registers the
     rule. See :class:`Fusion` for the arguments."""
-    spec = Fusion(cls, dict(activations or {}), set(modulated), set(alone), output, modulated_if, dict(layout or {}))
+    spec = Fusion(cls, dict(activations or {}), set(modulated), set(alone), output, modulated_if, dict(rewrites or {}))
     verified(cls.forward, digest)
     FUSIONS[cls] = spec
     name = f"_Fused{cls.__name__}"

@@ -20,7 +20,7 @@ from diffusers.pipelines.audioldm2.modeling_audioldm2 import AudioLDM2UNet2DCond
 from diffusers.pipelines.deprecated.versatile_diffusion.modeling_text_unet import (ResnetBlockFlat,
                                                                                    UNetFlatConditionModel)
 
-from .fusion import fusion, pairs
+from .fusion import fusion, pairs, unscaled
 
 # Forwards that end with `sample = self.conv_norm_out(sample); sample = self.conv_act(sample)` and use conv_act
 # nowhere else (conv_norm_out is None in UNet2DConditionModel(norm_num_groups=None), a SpatialNorm in MoVQ's
@@ -51,7 +51,8 @@ fusion(ResnetBlockFlat, "14558da9f7039103", activations={"norm1": "self.nonlinea
 # DreamLite: ResnetBlock2D's code with a `scale_shift` branch of its own.
 fusion(ResnetBlock2DDreamLite, "638519721cbc8643",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
-       modulated_if=lambda block: block.time_embedding_norm == "scale_shift")
+       modulated_if=lambda block: block.time_embedding_norm == "scale_shift",
+       rewrites=unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor"))
 
 # The temporal transformers (AnimateDiff's motion modules, UNet3D's and I2VGen-XL's temp_attentions): norm ->
 # permute/reshape -> proj_in (a Linear). Their output is written (B, F, C, H, W): an NCHW copy that the next layers
@@ -64,8 +65,8 @@ _TEMPORAL_OUTPUT = {
         ".permute(0, 3, 1, 2, 4).contiguous().permute(0, 1, 4, 2, 3) if residual.stride(1) == 1 else "
         "hidden_states[None, None, :].reshape(batch_size, height, width, num_frames, channel)"
         ".permute(0, 3, 4, 1, 2).contiguous()"}
-fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, layout=_TEMPORAL_OUTPUT)
-fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, layout=_TEMPORAL_OUTPUT)
+fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, rewrites=_TEMPORAL_OUTPUT)
+fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, rewrites=_TEMPORAL_OUTPUT)
 
 # Kandinsky 3: `self.norm(x) * (scale + 1.0) + shift` with a per-sample scale/shift from the timestep; its blocks
 # apply SiLU after it (Kandinsky3Block), or use it alone (Kandinsky3AttentionBlock: reshape, attention / a conv).

@@ -23,7 +23,7 @@ from diffusers.pipelines.ltx2 import latent_upsampler as ltx2_upsampler
 from ..ops import _group_norm_act
 from .base import forward_override_problem, rule, set_class, stands_in_for, unverified, verified
 from .fusion import (ACTIVATION_NORMS, ZQ_LIKE_F_2D, ZQ_LIKE_F_3D, activation_function, fused_norm_alone, fusion,
-                     pairs)
+                     pairs, unscaled)
 
 _NORMS = {"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}
 _CONV_OUT = {"conv_norm_out": "conv_act"}
@@ -31,13 +31,13 @@ _CONV_OUT = {"conv_norm_out": "conv_act"}
 # CogVideoX: the encoder's blocks take GroupNorms; the decoder's take CogVideoXSpatialNorm3D (norm * conv_y(zq) +
 # conv_b(zq), a modulation by a full tensor), whose GroupNorm runs alone.
 fusion(cogvideox.CogVideoXResnetBlock3D, "024ca7182ddaa74e", activations=_NORMS)
-fusion(cogvideox.CogVideoXSpatialNorm3D, "3e71f9b39e88e3a3", alone={"norm_layer"}, layout={
+fusion(cogvideox.CogVideoXSpatialNorm3D, "3e71f9b39e88e3a3", alone={"norm_layer"}, rewrites={
     "zq = torch.cat([z_first, z_rest], dim=2)": "zq = torch.cat([z_first, z_rest], dim=2)" + ZQ_LIKE_F_3D,
     "zq = F.interpolate(zq, size=f.shape[-3:])": "zq = F.interpolate(zq, size=f.shape[-3:])" + ZQ_LIKE_F_3D})
 pairs(cogvideox.CogVideoXEncoder3D, "0ec8a01c953cea50", {"norm_out": "conv_act"})
 
 # HunyuanVideo: each block starts with `hidden_states.contiguous()`, an NCDHW copy of channels_last_3d input.
-fusion(hunyuan_video.HunyuanVideoResnetBlockCausal3D, "ac45584f70c52ac0", activations=_NORMS, layout={
+fusion(hunyuan_video.HunyuanVideoResnetBlockCausal3D, "ac45584f70c52ac0", activations=_NORMS, rewrites={
     "hidden_states = hidden_states.contiguous()":
         "hidden_states = hidden_states.contiguous(memory_format=torch.channels_last_3d if hidden_states.stride(1) == 1 "
         "else torch.contiguous_format)"})
@@ -99,7 +99,8 @@ def hunyuan_causal_conv(s, name, conv) -> None:
         set_class(conv, _ChannelsLastHunyuanVideoCausalConv3d)
 
 # Magvit (EasyAnimate): with spatial_group_norm the frames are folded into the batch around each norm.
-fusion(magvit.EasyAnimateResidualBlock3D, "1a2e2ce1efe4be1b", activations=_NORMS)
+fusion(magvit.EasyAnimateResidualBlock3D, "1a2e2ce1efe4be1b", activations=_NORMS,
+       rewrites=unscaled("return (hidden_states + shortcut) / self.output_scale_factor"))
 pairs(magvit.EasyAnimateEncoder, "d6b80dc9987477e1", _CONV_OUT)
 pairs(magvit.EasyAnimateDecoder, "f08baa3c2d729571", _CONV_OUT)
 
@@ -117,7 +118,7 @@ fusion(cosmos.CosmosCausalAttention, "e0d3e482769f3cd5", alone={"norm"})  # its 
 
 # KVAE (image): the decoder's blocks take spatial norms, like CogVideoX's.
 fusion(kvae.KVAEResnetBlock2D, "e309708cff41f518", activations=_NORMS)
-fusion(kvae.KVAEDecoderSpatialNorm2D, "488cd61acc1187db", alone={"norm_layer"}, layout={
+fusion(kvae.KVAEDecoderSpatialNorm2D, "488cd61acc1187db", alone={"norm_layer"}, rewrites={
     "zq = F.interpolate(zq, size=f_first_size, mode='nearest')":
         "zq = F.interpolate(zq, size=f_first_size, mode='nearest')" + ZQ_LIKE_F_2D})
 pairs(kvae.KVAEEncoder2D, "ea7da2663494e056", {"norm_out": "nonlinearity"})

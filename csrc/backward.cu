@@ -11,6 +11,9 @@
 // block computes dx for its rows (from registers when resident).
 // Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
 // (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
+// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of 10, 12, 20 or 30 16-bit channels, as in
+// the forward) run the same kernels instantiated with Straddle: the channel sums are per lane whatever the group;
+// a thread's lanes past lanes_lo take the next group's mean, rstd and dx coefficients.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
 // fixed order, unless one cluster holds all the images of a tile (Geometry::images): its first block then sums
 // them through distributed shared memory. No atomics: gradients are bitwise deterministic.
@@ -29,27 +32,46 @@ __device__ __forceinline__ void store_param(void* p, bool fp32, int64_t i, float
   }
 }
 
-// Per-lane constants: u = xhat * gamma + delta.
-template <int V>
-struct LaneConstants {
-  float mean, rstd;
-  float gamma[V], delta[V];
-
-  __device__ __forceinline__ float xhat(float x) const { return (x - mean) * rstd; }
+// (mean, rstd) of the thread's group (.lo) and, straddling, of the next group (.hi: the lanes from lanes_lo on).
+struct Moments {
+  float2 lo, hi;
 };
 
-// (mean, rstd) of the thread's group.
-__device__ __forceinline__ float2 group_moments(const BackwardArgs& a, const BlockCoord& b) {
+// Per-lane constants: u = xhat * gamma + delta, xhat = (x - mean) * rstd with the lane's group's moments.
+template <int V, bool Straddle = false>
+struct LaneConstants {
+  Moments moments;
+  int lanes_lo;
+  float gamma[V], delta[V];
+
+  // A select per lane where the vector straddles (j is a compile-time lane index).
+  __device__ __forceinline__ float2 lane_moments(int j) const {
+    return Straddle && j >= lanes_lo ? moments.hi : moments.lo;
+  }
+  __device__ __forceinline__ float xhat(int j, float x) const {
+    const float2 m = lane_moments(j);
+    return (x - m.x) * m.y;
+  }
+};
+
+template <bool Straddle>
+__device__ __forceinline__ Moments group_moments(const BackwardArgs& a, const BlockCoord& b) {
   const int64_t ng = b.n * a.geo.G + b.group;
-  return b.active ? make_float2(a.mean[ng], a.rstd[ng]) : make_float2(0.f, 0.f);
+  if (!b.active) return Moments{};
+  const float2 lo = make_float2(a.mean[ng], a.rstd[ng]);
+  if constexpr (Straddle) {
+    return Moments{lo, b.lanes_lo < a.geo.vec ? make_float2(a.mean[ng + 1], a.rstd[ng + 1]) : lo};
+  }
+  return Moments{lo, lo};
 }
 
 // affine[j]: channel_affine of the thread's channel c0 + j.
-template <int V>
-__device__ __forceinline__ LaneConstants<V> lane_constants(float2 moments, const float2* affine) {
-  LaneConstants<V> k;
-  k.mean = moments.x;
-  k.rstd = moments.y;
+template <int V, bool Straddle>
+__device__ __forceinline__ LaneConstants<V, Straddle> lane_constants(const Moments& moments, const float2* affine,
+                                                                     const BlockCoord& b) {
+  LaneConstants<V, Straddle> k;
+  k.moments = moments;
+  k.lanes_lo = b.lanes_lo;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     k.gamma[j] = affine[j].x;
@@ -58,22 +80,22 @@ __device__ __forceinline__ LaneConstants<V> lane_constants(float2 moments, const
   return k;
 }
 
-template <typename T, int V>
-__device__ __forceinline__ LaneConstants<V> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
+template <typename T, int V, bool Straddle>
+__device__ __forceinline__ LaneConstants<V, Straddle> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
-  return lane_constants<V>(group_moments(a, b), affine);
+  return lane_constants<V, Straddle>(group_moments<Straddle>(a, b), affine, b);
 }
 
-template <typename T, int V, Act A, typename Visit>
-__device__ __forceinline__ void visit_pair(const Pack<T, V>& xp, const Pack<T, V>& dp, const LaneConstants<V>& k,
-                                           Visit&& visit) {
+template <typename T, int V, Act A, bool Straddle, typename Visit>
+__device__ __forceinline__ void visit_pair(const Pack<T, V>& xp, const Pack<T, V>& dp,
+                                           const LaneConstants<V, Straddle>& k, Visit&& visit) {
   float xv[V], dv[V];
   unpack<T, V>(xp, xv);
   unpack<T, V>(dp, dv);
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const float xhat = k.xhat(xv[j]);
+    const float xhat = k.xhat(j, xv[j]);
     visit(j, xhat, activation_grad<A>(dv[j], fmaf(xhat, k.gamma[j], k.delta[j])));
   }
 }
@@ -93,40 +115,48 @@ struct LaneSums {
 };
 
 // (sum du, sum du * xhat) per lane over the rows this thread streams (not resident), U rows in flight.
-template <typename T, int V, Act A, int U>
+template <typename T, int V, Act A, int U, bool Straddle>
 __device__ __forceinline__ void streamed_sums(const T* x, const T* dy, const Geometry& g, const BlockCoord& b,
-                                              int64_t rows, const LaneConstants<V>& k, LaneSums<V>& sums) {
+                                              int64_t rows, const LaneConstants<V, Straddle>& k, LaneSums<V>& sums) {
   for (int64_t u0 = 0; u0 < rows; u0 += U) {
     Pack<T, V> xb[U], db[U];  // per batch: arrays carried across iterations go to local memory
     load_rows<T, V, U>(xb, x, g, b, u0, rows);
     load_rows<T, V, U>(db, dy, g, b, u0, rows);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (u0 + u < rows) visit_pair<T, V, A>(xb[u], db[u], k, sums);
+      if (u0 + u < rows) visit_pair<T, V, A, Straddle>(xb[u], db[u], k, sums);
     }
   }
 }
 
-template <typename T, int V, Act A>
-__device__ __forceinline__ void store_dx(const Pack<T, V>& xp, const Pack<T, V>& dp, const LaneConstants<V>& k,
-                                         float2 coef, T* out) {
+// The dx coefficients (mean_g(gamma du), mean_g(gamma du xhat)) of the thread's group (.lo) and, straddling, of
+// the next group (.hi).
+struct Coefficients {
+  float2 lo, hi;
+};
+
+template <typename T, int V, Act A, bool Straddle>
+__device__ __forceinline__ void store_dx(const Pack<T, V>& xp, const Pack<T, V>& dp,
+                                         const LaneConstants<V, Straddle>& k, const Coefficients& coef, T* out) {
   float r[V];
-  visit_pair<T, V, A>(xp, dp, k, [&](int j, float xhat, float du) {
-    r[j] = k.rstd * (k.gamma[j] * du - coef.x - xhat * coef.y);
+  visit_pair<T, V, A, Straddle>(xp, dp, k, [&](int j, float xhat, float du) {
+    const float2 c = Straddle && j >= k.lanes_lo ? coef.hi : coef.lo;
+    r[j] = k.lane_moments(j).y * (k.gamma[j] * du - c.x - xhat * c.y);
   });
   store_vec<T, V>(out, r);
 }
 
-template <typename T, int V, Act A>
+template <typename T, int V, Act A, bool Straddle>
 __device__ __forceinline__ void dx_streamed(const T* x, const T* dy, T* dx, const Geometry& g, const BlockCoord& b,
-                                            int64_t rows, const LaneConstants<V>& k, float2 coef) {
+                                            int64_t rows, const LaneConstants<V, Straddle>& k,
+                                            const Coefficients& coef) {
   for (int64_t u0 = 0; u0 < rows; u0 += kStreamUnroll) {
     Pack<T, V> xb[kStreamUnroll], db[kStreamUnroll];
     load_rows<T, V, kStreamUnroll>(xb, x, g, b, u0, rows);
     load_rows<T, V, kStreamUnroll>(db, dy, g, b, u0, rows);
 #pragma unroll
     for (int u = 0; u < kStreamUnroll; ++u) {
-      if (u0 + u < rows) store_dx<T, V, A>(xb[u], db[u], k, coef, dx + thread_row(g, b, u0 + u) * g.C);
+      if (u0 + u < rows) store_dx<T, V, A, Straddle>(xb[u], db[u], k, coef, dx + thread_row(g, b, u0 + u) * g.C);
     }
   }
 }
@@ -162,15 +192,15 @@ __device__ __forceinline__ void store_summed_param_grads(const BackwardArgs& a, 
   if (a.dbias) store_param<T>(a.dbias, a.params_fp32, c, total.x);
 }
 
-template <typename T, int V, Act A>
+template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_kernel(const BackwardArgs a) {
-  constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T));
+  constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
   __shared__ float2 items[kMaxThreads * V];        // the threads' lane sums; then the tile's channel totals
   __shared__ float2 block_sums[kMaxTileChannels];  // per tile channel: read by the cluster's blocks
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
   __shared__ float2 group_coef[kMaxThreads];       // (mean_g(gamma du), mean_g(gamma du xhat)) per tile group
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/false, /*image_clusters=*/true);
+  const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
   const T* x = static_cast<const T*>(a.x) + offset;
   const T* dy = static_cast<const T*>(a.dy) + offset;
@@ -181,18 +211,18 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
     load_rows<T, V, kRows>(xs, x, g, b, 0, rows);
     load_rows<T, V, kRows>(dys, dy, g, b, 0, rows);
   }
-  const float2 moments = group_moments(a, b);
+  const Moments moments = group_moments<Straddle>(a, b);
   load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows
   __syncthreads();
-  const LaneConstants<V> k = lane_constants<V>(moments, &tile_affine[b.col * V]);
+  const auto k = lane_constants<V, Straddle>(moments, &tile_affine[b.col * V], b);
   LaneSums<V> sums;
   if (g.resident) {
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
-      if (u < rows) visit_pair<T, V, A>(xs[u], dys[u], k, sums);
+      if (u < rows) visit_pair<T, V, A, Straddle>(xs[u], dys[u], k, sums);
     }
   } else {
-    streamed_sums<T, V, A, kRows>(x, dy, g, b, rows, k, sums);
+    streamed_sums<T, V, A, kRows, Straddle>(x, dy, g, b, rows, k, sums);
   }
   block_channel_sums<V>(sums.acc, items, block_sums, g);
   cluster_sync(g.cluster());
@@ -229,15 +259,16 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
     }
     __syncthreads();
     if (b.active) {
-      const float2 coef = group_coef[b.group_local];
+      const bool hi = Straddle && b.lanes_lo < V;
+      const Coefficients coef{group_coef[b.group_local], group_coef[b.group_local + (hi ? 1 : 0)]};
       T* dx = static_cast<T*>(a.dx) + offset;
       if (g.resident) {
 #pragma unroll
         for (int u = 0; u < kRows; ++u) {
-          if (u < rows) store_dx<T, V, A>(xs[u], dys[u], k, coef, dx + thread_row(g, b, u) * g.C);
+          if (u < rows) store_dx<T, V, A, Straddle>(xs[u], dys[u], k, coef, dx + thread_row(g, b, u) * g.C);
         }
       } else {
-        dx_streamed<T, V, A>(x, dy, dx, g, b, rows, k, coef);
+        dx_streamed<T, V, A, Straddle>(x, dy, dx, g, b, rows, k, coef);
       }
     }
   }
@@ -245,17 +276,17 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
 }
 
 // Unclustered, 1: the block's channel sums -> channel_partials[(n * splits + split) * C + c].
-template <typename T, int V, Act A>
+template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) sums_kernel(const BackwardArgs a) {
-  constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T));
+  constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
   __shared__ float2 items[kMaxThreads * V];
   __shared__ float2 block_sums[kMaxTileChannels];
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g);
+  const BlockCoord b = block_coord<Straddle>(g);
   const int64_t offset = b.n * g.S * g.C + b.c0;
   LaneSums<V> sums;
-  streamed_sums<T, V, A, kRows>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset, g, b,
-                                thread_rows(g, b), lane_constants<T, V>(a, b), sums);
+  streamed_sums<T, V, A, kRows, Straddle>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
+                                          g, b, thread_rows(g, b), lane_constants<T, V, Straddle>(a, b), sums);
   block_channel_sums<V>(sums.acc, items, block_sums, g);
   __syncthreads();
   float2* out = reinterpret_cast<float2*>(a.channel_partials) + (b.n * g.splits + b.rank) * g.C +
@@ -294,15 +325,17 @@ __global__ void coefficients_kernel(const BackwardArgs a) {
 }
 
 // Unclustered, 3: dx of the block's rows.
-template <typename T, int V, Act A>
+template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(const BackwardArgs a) {
   const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g, /*reverse=*/true);
+  const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
   if (!b.active) return;  // no barriers in this kernel
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  const float2 coef = reinterpret_cast<const float2*>(a.coefficients)[b.n * g.G + b.group];
-  dx_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
-                       static_cast<T*>(a.dx) + offset, g, b, thread_rows(g, b), lane_constants<T, V>(a, b), coef);
+  const float2* coefficients = reinterpret_cast<const float2*>(a.coefficients) + b.n * g.G + b.group;
+  const Coefficients coef{coefficients[0], coefficients[Straddle && b.lanes_lo < V ? 1 : 0]};
+  dx_streamed<T, V, A, Straddle>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
+                                 static_cast<T*>(a.dx) + offset, g, b, thread_rows(g, b),
+                                 lane_constants<T, V, Straddle>(a, b), coef);
 }
 
 // dweight[c] = sum_n sums[n, c].y and dbias[c] = sum_n sums[n, c].x. Block: 32 channels x 8 row lanes, each
@@ -342,33 +375,47 @@ void launch_param_grad(const BackwardArgs& a, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T, int V, Act A, bool Straddle>
+void launch_backward_kernels(const BackwardArgs& a, cudaStream_t stream) {
+  const Geometry& g = a.geo;
+  if (g.clustered) {
+    launch_kernel(backward_kernel<T, V, A, Straddle>, g, stream, a);
+  } else {
+    launch_kernel(sums_kernel<T, V, A, Straddle>, g, stream, a);
+    coefficients_kernel<T><<<(unsigned)(g.N * g.G), kCoefficientThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A, Straddle>, g, stream, a);
+  }
+  if (a.param_sums != nullptr) {
+    if (a.params_fp32) {
+      launch_param_grad<float>(a, stream);
+    } else {
+      launch_param_grad<T>(a, stream);
+    }
+  }
+}
+
 template <typename T, int V, Act A>
 struct BackwardKernels {
   static void fn(const BackwardArgs& a, cudaStream_t stream) {
-    const Geometry& g = a.geo;
-    if (g.clustered) {
-      launch_kernel(backward_kernel<T, V, A>, g, stream, a);
-    } else {
-      launch_kernel(sums_kernel<T, V, A>, g, stream, a);
-      coefficients_kernel<T><<<(unsigned)(g.N * g.G), kCoefficientThreads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A>, g, stream, a);
+    if constexpr (kStraddles<T, V>) {
+      if (a.geo.straddle) return launch_backward_kernels<T, V, A, true>(a, stream);
     }
-    if (a.param_sums != nullptr) {
-      if (a.params_fp32) {
-        launch_param_grad<float>(a, stream);
-      } else {
-        launch_param_grad<T>(a, stream);
-      }
-    }
+    launch_backward_kernels<T, V, A, false>(a, stream);
   }
 };
 
+// Both kernels of a 16-byte vector width (straddling or not) are opted in to large clusters.
 template <typename T, int V, Act A>
 struct BackwardMaxCluster {
   static int fn() {
     static std::array<std::atomic<int>, 64> cache{};
-    return query_max_cluster(backward_kernel<T, V, A>, cache);
+    const int whole_groups = query_max_cluster(backward_kernel<T, V, A, false>, cache);
+    if constexpr (kStraddles<T, V>) {
+      static std::array<std::atomic<int>, 64> straddle_cache{};
+      return std::min(whole_groups, query_max_cluster(backward_kernel<T, V, A, true>, straddle_cache));
+    }
+    return whole_groups;
   }
 };
 

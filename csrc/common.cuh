@@ -325,7 +325,7 @@ struct BlockCoord {
 };
 
 // `image_clusters`: the kernel takes geometries with Geometry::images > 1 (the clustered backward). `Straddle`: the
-// kernel takes straddling geometries (Geometry::straddle, the forward's).
+// kernel takes straddling geometries (Geometry::straddle).
 template <bool Straddle = false>
 __device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool reverse = false,
                                                   bool image_clusters = false) {

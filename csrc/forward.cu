@@ -140,19 +140,27 @@ __device__ __forceinline__ void streamed_stats_straddle(const T* base, const Geo
   }
 }
 
+// The one reference of a straddling vector's lanes, from its two groups' (ref, mean offset, rstd). The lanes of
+// the other group compute (x - ref) * scale + shift as two terms of the size of the groups' distance in units of
+// their own standard deviation, which round to 2^-24 of that: taking the reference of the group with the larger
+// rstd leaves the rounding to the wider group, whose unit is the larger one. (A constant group, rstd =
+// 1/sqrt(eps) = 316, beside a group of values around 1000: with the wide group's reference its lanes carried the
+// rounding of a shift near 995 * 316, up to 0.016.) A reference that is NaN or infinite is not taken while the
+// other is finite (its group's outputs are NaN then anyway): a NaN in one group never reaches the other's lanes.
+__device__ __forceinline__ float straddle_reference(float4 lo, float4 hi) {
+  return isfinite(hi.x) && (!isfinite(lo.x) || hi.z > lo.z) ? hi.x : lo.x;
+}
+
 // y = act((x - ref) * scale + shift) per lane, folding rstd and the mean offset into the channels' affine maps;
 // `stats` = (ref, mean offset, rstd) of the thread's group, affine[j] = channel_affine of its vector's channel j.
 // With straddling vectors (Straddle) the lanes j >= lanes_lo take the next group's statistics `hi`, every lane's
-// mean expressed as an offset from one reference: (x - ref) * scale then spans the two groups' distance in units
-// of a group's standard deviation, whose rounding (2^-24 relative) is far below a 16-bit output's, to which
-// straddling is confined (straddling_vec). The reference is this group's, or the next group's where this one's is
-// NaN or infinite (this group's outputs are NaN then anyway): a NaN in one group never reaches the other's lanes.
+// mean expressed as an offset from one reference (straddle_reference).
 template <int V, bool Straddle = false>
 struct LaneAffine {
   float ref, scale[V], shift[V];
 
   __device__ __forceinline__ LaneAffine(float4 stats, const float2* affine, float4 hi = {}, int lanes_lo = V)
-      : ref(Straddle && !isfinite(stats.x) ? hi.x : stats.x) {
+      : ref(Straddle ? straddle_reference(stats, hi) : stats.x) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float4 s = Straddle && j >= lanes_lo ? hi : stats;
@@ -364,10 +372,6 @@ void launch_forward_kernels(const ForwardArgs& a, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_kernel(normalize_kernel<T, V, A, Straddle>, g, stream, a);
 }
-
-// Straddling geometries exist for 16-byte vectors of 16-bit types only (straddling_vec).
-template <typename T, int V>
-constexpr bool kStraddles = sizeof(T) == 2 && V == 8;
 
 template <typename T, int V, Act A>
 struct ForwardKernels {

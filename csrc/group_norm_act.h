@@ -70,9 +70,9 @@ enum class Pass : int { kForward = 0, kBackward = 1 };
 
 // How one (N, S, C) channels-last tensor is cut into thread blocks.
 //   - A row is one spatial position: C contiguous channels, read as vectors of `vec` elements. vec divides the
-//     group size D, so every vector (every thread) lies in one group; except in the forward's `straddle`
-//     geometries, whose 16-byte vectors may span two groups (D > vec, not a multiple of it: C = 320, 384, 640 or
-//     960 with G = 32), each thread then keeping statistics for both.
+//     group size D, so every vector (every thread) lies in one group; except in `straddle` geometries, whose
+//     16-byte vectors may span two groups (D > vec, not a multiple of it: C = 320, 384, 640 or 960 with G = 32),
+//     each thread then keeping both groups' statistics (forward) or moments and dx coefficients (backward).
 //   - A tile is `groups_per_tile` consecutive groups: tile_vecs = groups_per_tile * vecs_per_group vectors of a
 //     row. Block threads are (rowlane, col) with col < tile_vecs fastest; a block walks its rows block_rows at a
 //     time.
@@ -127,10 +127,11 @@ constexpr int pack_registers(int vec_bytes) { return vec_bytes < 4 ? 1 : vec_byt
 constexpr int rows_in_registers(int registers, int vec_bytes, int cap) {
   return registers / pack_registers(vec_bytes) < cap ? registers / pack_registers(vec_bytes) : cap;
 }
-// Straddling vectors (the forward's) keep per-lane sums and references besides: 12 registers of rows (24 spilled
-// ~100 bytes under the cap, 16 ~40 bytes; ptxas -v).
+// Straddling vectors keep per-lane sums and references (forward) or two groups' moments and dx coefficients
+// (backward) besides: 12 registers of rows (24 spilled ~100 bytes under the forward's cap, 16 ~40 bytes; 16 each of
+// x and dy spilled 16-52 bytes under the backward's; ptxas -v).
 constexpr int resident_rows(Pass pass, int vec_bytes, bool straddle = false) {
-  if (pass == Pass::kBackward) return rows_in_registers(16, vec_bytes, 8);
+  if (pass == Pass::kBackward) return rows_in_registers(straddle ? 12 : 16, vec_bytes, 8);
   return rows_in_registers(straddle ? 12 : 24, vec_bytes, 16);
 }
 
@@ -138,7 +139,7 @@ constexpr int resident_rows(Pass pass, int vec_bytes, bool straddle = false) {
 // `alignment`: the largest power of two dividing every data pointer's address (bytes).
 int choose_vec(int64_t D, int elem_size, int64_t alignment);
 
-// Vectors of 16 bytes whose lanes may straddle two groups, for a forward where choose_vec's are narrower: their
+// Vectors of 16 bytes whose lanes may straddle two groups, for a pass where choose_vec's are narrower: their
 // width if the elements are 16-bit, D is larger than a vector (not a multiple of it), tiles of whole vectors
 // exist and the pointers are 16-byte aligned; else 0.
 int straddling_vec(int64_t D, int64_t G, int elem_size, int64_t alignment);

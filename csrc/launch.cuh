@@ -73,6 +73,11 @@ void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream,
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
+// Straddling geometries exist for 16-byte vectors of 16-bit types only (straddling_vec): the kernels are
+// instantiated with Straddle for those alone.
+template <typename T, int V>
+constexpr bool kStraddles = sizeof(T) == 2 && V == 8;
+
 // The largest power-of-two cluster (<= kMaxCluster) `kernel` launches with on the current device, with blocks of
 // kMaxThreads threads; 1 without cluster support. Opts the kernel in to non-portable sizes (> 8) where the
 // device schedules them. `cache` holds one entry per device (0: not queried yet).

@@ -54,10 +54,12 @@ DeviceLimits device_limits(const at::Tensor& x, Pass pass, ScalarKind dtype, int
 }
 
 // The kernels' geometry for x, whose data (and that of the tensors read and written with it) is at `pointers`.
-// A forward whose vectors are narrower than 16 bytes (groups of 10 or 30 16-bit channels: 4 bytes) and whose rows
-// are not resident takes vectors straddling two groups: each row then costs a quarter of the instructions, but
-// fewer rows fit the registers. On the H200 (fp16) (32, 320, 64, 64) 139 -> 96 us, (2, 320, 128, 128) 48 -> 34;
-// resident, (2, 640, 32, 32) 8.1 -> 9.2, hence only where rows stream.
+// A pass whose vectors are narrower than 16 bytes (groups of 10, 20 or 30 16-bit channels: 4 or 8 bytes) and whose
+// rows are not resident takes vectors straddling two groups: each row then costs a quarter or half of the
+// instructions, but fewer rows fit the registers. On the H200 (fp16), forward: (32, 320, 64, 64) 139 -> 96 us,
+// (2, 320, 128, 128) 48 -> 34, resident (2, 640, 32, 32) 8.1 -> 9.2; backward: (2, 320, 128, 128) 91 -> 60,
+// (2, 960, 64, 64) 64 -> 46, resident (2, 640, 32, 32) 14.0 -> 15.2 (but (2, 320, 32, 32) 13.2 -> 10.4); hence
+// only where rows stream.
 Geometry geometry(Pass pass, const at::Tensor& x, int64_t num_groups, Act act,
                   std::initializer_list<const void*> pointers) {
   const int64_t N = x.size(0), C = x.size(1), D = C / num_groups, S = spatial_size(x);
@@ -66,7 +68,7 @@ Geometry geometry(Pass pass, const at::Tensor& x, int64_t num_groups, Act act,
   const int64_t alignment = common_alignment(pointers);
   const int vec = choose_vec(D, elem, alignment);
   const Geometry g = make_geometry(pass, N, S, C, num_groups, elem, vec, device_limits(x, pass, dtype, vec, act));
-  const int wide = pass == Pass::kForward && !g.resident ? straddling_vec(D, num_groups, elem, alignment) : 0;
+  const int wide = g.resident ? 0 : straddling_vec(D, num_groups, elem, alignment);
   return wide ? make_geometry(pass, N, S, C, num_groups, elem, wide, device_limits(x, pass, dtype, wide, act)) : g;
 }
 

@@ -245,22 +245,52 @@ def test_outlier_statistics(case, dtype, value, position):
 @pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered"])
 def test_straddling_vectors_keep_groups_apart(case, dtype):
     """A NaN, an inf and an outlier in the channels a straddling vector shares between two groups: each reaches its
-    own group's statistics and outputs only, as with F.group_norm."""
+    own group's statistics, outputs and input gradients only, as with F.group_norm."""
     shape, groups = CASES[case]
     size = shape[1] // groups
     x = random_input(shape, dtype, "cuda")
     x[0, size - 1, 0, 0] = float("nan")  # image 0, group 0's last channel: its vector's other lanes are group 1's
     x[1 % shape[0], 2 * size + 1, 5, 7] = float("inf")  # group 2's second channel, with group 1's last ones
     x[0, 5 * size - 1, 3, 3] = 3000.0  # group 4's last channel, with group 5's first ones
+    x.requires_grad_(True)
     w, b = affine(shape[1], dtype)
     poisoned(x)
     y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, "silu")
     assert_same_nonfinite(y, reference(x, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="y")
+    dy = random_input(shape, dtype, "cuda", scale=1.0, seed=5)
+    y.backward(dy)
+    rdx = reference_grads(x, groups, w, b, 1e-5, "silu", dy)[0]
+    scale = rdx[torch.isfinite(rdx)].abs().max().item()
+    assert_same_nonfinite(x.grad, rdx, atol=TOLERANCES[dtype]["atol"] * scale, rtol=TOLERANCES[dtype]["rtol"],
+                          what="dx")
     xg = x.double().reshape(shape[0], groups, -1)
     finite = torch.isfinite(xg).all(-1)
     assert_close(mean[finite], xg.mean(-1)[finite], atol=1e-5 * 3.0, rtol=1e-5, what="mean of the finite groups")
     assert_close(rstd[finite], torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5)[finite], atol=0, rtol=1e-4,
                  what="rstd of the groups without NaN or inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered"])
+def test_straddling_vectors_beside_a_constant_group(case, dtype):
+    """Groups around 1000 (standard deviation 30) beside constant groups (rstd = 1/sqrt(eps)), on both sides of the
+    channels a straddling vector shares: every output within a 16-bit rounding of float64. Normalised from the wide
+    group's reference, a constant group's lanes carry the float32 rounding of a shift near 995 * 316 (up to 0.016,
+    ~30 fp16 ulp at 0.5)."""
+    shape, groups = CASES[case]
+    size = shape[1] // groups
+    x = random_input(shape, torch.float32, "cuda", scale=1.0)
+    x[:, 0:size] = 1000 + 30 * random_input((shape[0], size, *shape[2:]), torch.float32, "cuda", scale=1.0, seed=3)
+    x[:, size:2 * size] = 5.0  # constant: its first channels share a vector with group 0's last ones
+    x[:, 2 * size:3 * size] = -2.0  # constant, its last channels sharing a vector with group 3's first ones
+    x[:, 3 * size:4 * size] = 1000 + 30 * random_input((shape[0], size, *shape[2:]), torch.float32, "cuda", scale=1.0,
+                                                       seed=4)
+    x = x.to(dtype)
+    w, b = affine(shape[1], dtype)
+    poisoned(x)
+    y = OP(x, w, b, None, None, groups, 1e-5, "identity")[0]
+    ulp = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7  # twice the unit roundoff
+    assert_close(y.double(), reference(x, groups, w, b, 1e-5, "identity"), atol=ulp, rtol=ulp, what="y")
 
 
 @pytest.mark.parametrize("activation", ACTS)

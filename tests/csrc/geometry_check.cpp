@@ -46,8 +46,8 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
   if (g.vec < 1 || (g.vec & (g.vec - 1)) || g.vec * elem > 16 || (!g.straddle && g.D % g.vec) ||
       alignment % (g.vec * elem))
     return bad("vector width: a power of two dividing D (unless straddling), within 16 bytes and the alignment");
-  if (g.straddle && (pass != Pass::kForward || g.vec * elem != 16 || elem != 2 || g.D < g.vec || g.D % g.vec == 0))
-    return bad("straddling vectors: the forward's 16-byte vectors of 16-bit elements, within two groups");
+  if (g.straddle && (g.vec * elem != 16 || elem != 2 || g.D < g.vec || g.D % g.vec == 0))
+    return bad("straddling vectors: 16-byte vectors of 16-bit elements, within two groups");
   if (g.straddle ? g.vecs_per_group != 0 : g.vecs_per_group * g.vec != g.D) return bad("vectors per group");
   if ((long long)g.tile_vecs * g.vec != g.groups_per_tile * g.D) return bad("tiles of whole groups and vectors");
   if (g.tiles * g.groups_per_tile != g.G) return bad("tiles cover the groups exactly");
@@ -95,11 +95,11 @@ int main() {
             const long long D = cg[0] / cg[1];
             if (alignment < elem || !(D <= gn_patch::kMaxTileChannels)) continue;
             if (D / gn_patch::choose_vec(D, elem, alignment) > gn_patch::kMaxThreads) continue;  // copied first
-            // The forward may also take straddling vectors (ops.cpp: where the rows are not resident).
+            // Either pass may also take straddling vectors (ops.cpp: where the narrow vectors' rows stream).
             const int narrow = gn_patch::choose_vec(D, elem, alignment);
             const int wide = gn_patch::straddling_vec(D, cg[1], elem, alignment);
             for (Pass pass : {Pass::kForward, Pass::kBackward}) {
-              for (int vec : {narrow, pass == Pass::kForward ? wide : 0}) {
+              for (int vec : {narrow, wide}) {
                 if (vec == 0) continue;
                 for (int max_cluster : {1, 8, 16}) {
                   const Geometry g =
@@ -120,7 +120,7 @@ int main() {
   if (wide.groups_per_tile * wide.D * 2 % 32 != 0) return fail("sector-aligned tiles", wide, 2, 16, 16) ? 0 : 1;
   const Geometry narrow = gn_patch::make_geometry(Pass::kForward, 32, 4096, 960, 32, 2, 2, {132, 16, kL2Bytes});
   if (narrow.block_rows < 4) return fail("rows of threads in sector-aligned tiles", narrow, 2, 16, 16) ? 0 : 1;
-  // C = 320 and 960 with G = 32 in 16-bit types: the forward's vectors may straddle groups (16 bytes, not 4).
+  // C = 320 and 960 with G = 32 in 16-bit types: the vectors may straddle groups (16 bytes, not 4).
   for (long long C : {320LL, 960LL}) {
     if (gn_patch::straddling_vec(C / 32, 32, 2, 16) != 8 || gn_patch::choose_vec(C / 32, 2, 16) != 2) {
       std::printf("violated: straddling vectors for C=%lld\n", C);

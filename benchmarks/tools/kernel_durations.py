@@ -17,18 +17,28 @@ SHAPES = [(2, 1280, 8, 8), (2, 1280, 16, 16), (2, 1280, 32, 32), (2, 320, 64, 64
 CALLS = 10
 
 
-def durations(fn) -> dict[str, float]:
+def kernel_totals(fn, calls: int) -> dict[str, list]:
+    """Kernel name -> [launches, µs] over ``calls`` calls of ``fn`` (after three warm-up calls)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total = defaultdict(float)
+    totals = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name.split("<")[0].split("(")[0][-40:]] += event.device_time / CALLS
+            totals[event.name][0] += 1
+            totals[event.name][1] += event.device_time
+    return dict(totals)
+
+
+def durations(fn) -> dict[str, float]:
+    """µs per call by kernel (names shortened to their last 40 characters before template arguments)."""
+    total = defaultdict(float)
+    for name, (_, us) in kernel_totals(fn, CALLS).items():
+        total[name.split("<")[0].split("(")[0][-40:]] += us / CALLS
     return dict(total)
 
 

@@ -5,32 +5,20 @@ which torch.profiler's operator tables (profile_video.py) spread over the ops th
     python benchmarks/tools/kernel_table.py [--models animatediff,cogvideox,hunyuanvideo] [--rows 45]
 """
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from gn_patch import patch_model
 from gn_patch.bench.e2e import inference
 from gn_patch.bench.models import build_model
 
+from kernel_durations import kernel_totals
 from profile_video import CALLS
 
 
 def kernel_table(call, calls: int, rows: int) -> None:
     """Prints the kernels of ``calls`` calls (after three warm-up calls), largest total time first."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    totals = defaultdict(lambda: [0, 0.0])  # kernel name -> [launches, µs]
-    for event in p.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name][0] += 1
-            totals[event.name][1] += event.device_time
+    totals = kernel_totals(call, calls)
     launches = sum(n for n, _ in totals.values()) / calls
     print(f"kernel time {sum(t for _, t in totals.values()) / calls / 1e3:.2f} ms per call, {launches:.0f} kernels")
     for name, (n, t) in sorted(totals.items(), key=lambda item: -item[1][1])[:rows]:

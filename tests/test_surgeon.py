@@ -122,6 +122,24 @@ def test_resnet_block_divides_by_output_scale_factor_only_when_not_one(case):
     assert divisions[0] - divisions[1] == (1 if block.output_scale_factor == 1.0 else 0)
 
 
+def test_resnet_block_divides_by_a_tensor_output_scale_factor():
+    """A tensor output_scale_factor (set by hand, here a Parameter of 1.0) divides as stock does: the patched
+    block's output and the factor's gradient match stock's."""
+    block = make_resnet(**RESNET_CASES["default"])
+    block.output_scale_factor = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    run = run_resnet(block)
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    outputs = []
+    for model in (block, patched):
+        out = run(model)
+        out.sum().backward()
+        outputs.append((out, model.output_scale_factor.grad))
+    assert outputs[1][0].dtype == outputs[0][0].dtype
+    assert rel_l2(outputs[1][0], outputs[0][0]) < 1e-6
+    assert outputs[1][1] is not None and torch.allclose(outputs[1][1], outputs[0][1], rtol=1e-4)
+
+
 @pytest.mark.parametrize("statement", ["y = x + 1", "y = x / self.output_scale_factor / self.output_scale_factor"])
 def test_unscaled_rewrite_needs_exactly_one_division(statement):
     with pytest.raises(rules.fusion.RuleError, match=r"divisions by self\.output_scale_factor"):

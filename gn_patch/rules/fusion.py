@@ -294,18 +294,21 @@ def _replace_statements(function: ast.FunctionDef, spec: Fusion) -> None:
 
 
 def unscaled(statement: str, factor: str = "self.output_scale_factor") -> dict[str, str]:
-    """The rewrite of ``statement`` that skips its division by ``factor`` where the factor is 1.0, as a ``rewrites``
-    entry. diffusers' resnet blocks end with ``(input_tensor + hidden_states) / self.output_scale_factor``, 1.0 in
-    every Stable Diffusion UNet and VAE: a pass over the block's output (one read, one write) that returns its
-    input, since x / 1.0 is x exactly (NaN, infinities and -0.0 included), and whose backward divides the gradient
-    by 1.0 likewise. ``statement`` must divide by ``factor`` exactly once."""
+    """The rewrite of ``statement`` that skips its division by ``factor`` where the factor is the Python number 1.0,
+    as a ``rewrites`` entry. diffusers' resnet blocks end with ``(input_tensor + hidden_states) /
+    self.output_scale_factor``, 1.0 in every Stable Diffusion UNet and VAE: a pass over the block's output (one
+    read, one write) whose values equal its input's (x / 1.0 == x for every x, infinities and -0.0 included; a NaN
+    stays a NaN, though PyTorch's division may change its bit pattern), and whose backward divides the gradient by
+    1.0 likewise. A factor that is a tensor (set by hand: a Parameter, float64, per channel) divides as stock does,
+    so its gradient, type promotion and broadcasting stay PyTorch's. ``statement`` must divide by ``factor``
+    exactly once."""
     tree = ast.parse(statement).body[0]
     divisions = [node for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
                  and ast.unparse(node.right) == factor]
     if len(divisions) != 1:
         raise RuleError(f"{statement!r}: {len(divisions)} divisions by {factor}, expected one")
     division = divisions[0]
-    skipped = ast.parse(f"_ if {factor} == 1.0 else _", mode="eval").body
+    skipped = ast.parse(f"_ if isinstance({factor}, (int, float)) and {factor} == 1.0 else _", mode="eval").body
     skipped.body, skipped.orelse = division.left, ast.BinOp(division.left, ast.Div(), division.right)
     for parent in ast.walk(tree):
         for name, value in ast.iter_fields(parent):

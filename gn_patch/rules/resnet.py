@@ -11,19 +11,19 @@ from .base import Surgery, rule, stands_in_for, verified
 from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 
 # The residual sum's division by output_scale_factor, skipped where that is 1.0.
-_RESIDUAL = unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor")
+RESIDUAL_SUM = unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor")
 # norm1 -> nonlinearity; norm2 (after the timestep shift, or with the timestep scale/shift of
 # time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts on temb.
 fusion(ResnetBlock2D, "eda498bf0236feb0",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
-       modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites=_RESIDUAL)
+       modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites=RESIDUAL_SUM)
 # The 5-D blocks of Stable Video Diffusion.
 fusion(TemporalResnetBlock, "7c1ebea7613ebc9f",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"})
 # norm1/norm2 are AdaGroupNorm (fused below) or SpatialNorm (its own rule: the modulation by the latent comes
 # between the normalization and the activation).
 fusion(ResnetBlockCondNorm2D, "b82e6799b20e46d8",
-       activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, rewrites=_RESIDUAL)
+       activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, rewrites=RESIDUAL_SUM)
 # UNet1D reinforcement-learning blocks: Conv1d -> GroupNorm (on the (B, C, 1, L) view) -> Mish.
 pairs(Conv1dBlock, "5dd5cd3294134f5e", {"group_norm": "mish"})
 

@@ -20,7 +20,8 @@ from diffusers.pipelines.audioldm2.modeling_audioldm2 import AudioLDM2UNet2DCond
 from diffusers.pipelines.deprecated.versatile_diffusion.modeling_text_unet import (ResnetBlockFlat,
                                                                                    UNetFlatConditionModel)
 
-from .fusion import fusion, pairs, unscaled
+from .fusion import fusion, pairs
+from .resnet import RESIDUAL_SUM
 
 # Forwards that end with `sample = self.conv_norm_out(sample); sample = self.conv_act(sample)` and use conv_act
 # nowhere else (conv_norm_out is None in UNet2DConditionModel(norm_num_groups=None), a SpatialNorm in MoVQ's
@@ -52,7 +53,7 @@ fusion(ResnetBlockFlat, "14558da9f7039103", activations={"norm1": "self.nonlinea
 fusion(ResnetBlock2DDreamLite, "638519721cbc8643",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
        modulated_if=lambda block: block.time_embedding_norm == "scale_shift",
-       rewrites=unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor"))
+       rewrites=RESIDUAL_SUM)
 
 # The temporal transformers (AnimateDiff's motion modules, UNet3D's and I2VGen-XL's temp_attentions): norm ->
 # permute/reshape -> proj_in (a Linear). Their output is written (B, F, C, H, W): an NCHW copy that the next layers

@@ -11,7 +11,7 @@
 // block computes dx for its rows (from registers when resident).
 // Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
 // (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
-// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of 10, 12, 20 or 30 16-bit channels, as in
+// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a multiple of 8 (10, 12, 20, 30, 60, 90), as in
 // the forward) run the same kernels instantiated with Straddle: the channel sums are per lane whatever the group;
 // a thread's lanes past lanes_lo take the next group's mean, rstd and dx coefficients.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
@@ -423,6 +423,10 @@ struct BackwardMaxCluster {
 
 void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
   if (a.geo.blocks() == 0) return;
+  // Only the 16-byte vectors of 16-bit types have straddling kernels (kStraddles): any other straddling geometry
+  // would run kernels that keep each thread in one group.
+  TORCH_CHECK(!a.geo.straddle || (a.dtype != ScalarKind::kFloat && a.geo.vec == 8),
+              "gn_patch: straddling geometry for vectors without straddling kernels");
   dispatch<BackwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
 }
 

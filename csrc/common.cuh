@@ -351,6 +351,7 @@ __device__ __forceinline__ BlockCoord block_coord(const Geometry& g, bool revers
     b.c0 = b.tile * g.groups_per_tile * g.D + channel;
   } else {
     b.group_local = (int)g.div_vecs_per_group.div(b.col);
+    b.lanes_lo = g.vec;  // every lane in the thread's group
     b.group = b.tile * g.groups_per_tile + b.group_local;
     b.c0 = b.group * g.D + (int64_t)(b.col - b.group_local * g.vecs_per_group) * g.vec;
   }

@@ -12,7 +12,7 @@
 //
 // Within a thread, statistics are sums of deviations from the batch's first element (one pass over the rows held
 // in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
-// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of 10, 12, 20 or 30 16-bit channels) run
+// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a multiple of 8: 10, 12, 20, 30, 60, 90) run
 // the same kernels instantiated with Straddle: each thread keeps its vector's two groups' statistics apart.
 
 #include "launch.cuh"
@@ -146,9 +146,10 @@ __device__ __forceinline__ void streamed_stats_straddle(const T* base, const Geo
 // rstd leaves the rounding to the wider group, whose unit is the larger one. (A constant group, rstd =
 // 1/sqrt(eps) = 316, beside a group of values around 1000: with the wide group's reference its lanes carried the
 // rounding of a shift near 995 * 316, up to 0.016.) A reference that is NaN or infinite is not taken while the
-// other is finite (its group's outputs are NaN then anyway): a NaN in one group never reaches the other's lanes.
+// other is finite, nor kept when its group's rstd is NaN (its group's outputs are NaN then anyway): a NaN in one
+// group never reaches the other's lanes.
 __device__ __forceinline__ float straddle_reference(float4 lo, float4 hi) {
-  return isfinite(hi.x) && (!isfinite(lo.x) || hi.z > lo.z) ? hi.x : lo.x;
+  return isfinite(hi.x) && (!isfinite(lo.x) || isnan(lo.z) || hi.z > lo.z) ? hi.x : lo.x;
 }
 
 // y = act((x - ref) * scale + shift) per lane, folding rstd and the mean offset into the channels' affine maps;
@@ -401,6 +402,9 @@ struct ForwardMaxCluster {
 
 void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
   if (a.geo.blocks() == 0) return;
+  // As in launch_backward: straddling kernels exist for the 16-byte vectors of 16-bit types only.
+  TORCH_CHECK(!a.geo.straddle || (a.dtype != ScalarKind::kFloat && a.geo.vec == 8),
+              "gn_patch: straddling geometry for vectors without straddling kernels");
   dispatch<ForwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
 }
 

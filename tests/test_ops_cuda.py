@@ -60,6 +60,7 @@ CASES = {
     "straddling_12": ((2, 384, 64, 64), 32),              # 12 (Kandinsky 2.2), tiles of 2
     "straddling_30": ((2, 960, 64, 64), 32),              # 30: a vector's lanes 2 + 6 or 6 + 2
     "straddling_unclustered": ((1, 320, 256, 256), 32),   # a 42 MB image: three kernels
+    "straddling_60": ((2, 1920, 64, 64), 32),             # 60: a vector's lanes 4 + 4 at every other group
 }
 SMALL = ["sd_resnet", "sd_mid", "group_size_1", "single_group", "group_size_5", "prime_group_size_131", "hw_1",
          "rank2", "rank3_transposed", "rank5", "rows_not_multiple"]
@@ -224,7 +225,7 @@ def test_large_offset_small_variance(case):
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
 @pytest.mark.parametrize("dtype,value", [(torch.float32, 2000.0), (torch.float16, 5000.0)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", ["vae_outlier", "sd_resnet", "sd_resnet_large", "many_images_streaming",
-                                  "single_group", "straddling_10", "straddling_30"])
+                                  "single_group", "straddling_10", "straddling_30", "straddling_60"])
 def test_outlier_statistics(case, dtype, value, position):
     """One element far from the rest (VAE decoders carry such activations), wherever it sits in its group: rstd
     within 1e-4 of float64 in every geometry."""
@@ -242,7 +243,7 @@ def test_outlier_statistics(case, dtype, value, position):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered"])
+@pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered", "straddling_60"])
 def test_straddling_vectors_keep_groups_apart(case, dtype):
     """A NaN, an inf and an outlier in the channels a straddling vector shares between two groups: each reaches its
     own group's statistics, outputs and input gradients only, as with F.group_norm."""

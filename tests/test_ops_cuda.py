@@ -55,7 +55,8 @@ CASES = {
     "many_images": ((513, 32, 3, 3), 8),
     "backward_cluster_of_4_images": ((4, 320, 16, 16), 32),  # backward: 2 splits of each of 4 images, one cluster
     "rows_not_multiple": ((3, 96, 30, 50), 32),           # the last block's rows partial
-    # 16-bit forwards whose rows stream: 16-byte vectors straddling two groups (4-byte vectors in float32)
+    # 16-bit forwards whose rows stream: 16-byte vectors straddling two groups (float32 keeps whole-group vectors:
+    # 8 bytes for groups of 10 or 30, 16 for 12 or 60)
     "straddling_10": ((2, 320, 64, 64), 32),              # groups of 10 channels, tiles of 4 groups
     "straddling_12": ((2, 384, 64, 64), 32),              # 12 (Kandinsky 2.2), tiles of 2
     "straddling_30": ((2, 960, 64, 64), 32),              # 30: a vector's lanes 2 + 6 or 6 + 2
@@ -251,7 +252,10 @@ def test_straddling_vectors_keep_groups_apart(case, dtype):
     size = shape[1] // groups
     x = random_input(shape, dtype, "cuda")
     x[0, size - 1, 0, 0] = float("nan")  # image 0, group 0's last channel: its vector's other lanes are group 1's
-    x[1 % shape[0], 2 * size + 1, 5, 7] = float("inf")  # group 2's second channel, with group 1's last ones
+    # A group's second channel (group 2's, or group 3's where 16-byte vectors start at group 2: size 60), in a
+    # vector with the previous group's last ones.
+    boundary = next(k * size for k in range(2, groups) if (k * size) % 8)
+    x[1 % shape[0], boundary + 1, 5, 7] = float("inf")
     x[0, 5 * size - 1, 3, 3] = 3000.0  # group 4's last channel, with group 5's first ones
     x.requires_grad_(True)
     w, b = affine(shape[1], dtype)

@@ -22,7 +22,10 @@ class GroupNormAct(nn.GroupNorm):
         eps: added to the variance for numerical stability.
         affine: learnable per-channel weight (init 1) and bias (init 0).
         activation: ``silu`` (alias ``swish``), ``gelu``, ``gelu_tanh``, ``relu``, ``mish`` or ``identity``
-            (case-insensitive).
+            (case-insensitive; also None). Assigning ``module.activation`` later takes the same names.
+
+    num_groups may also be a numpy integer or a one-element integer tensor, eps a numpy float or a one-element real
+    tensor, as torch.nn.GroupNorm takes them: they are stored as a Python int and float.
 
     ``forward(x, scale=None, shift=None)``: x is (N, C, *spatial); the optional per-sample scale and shift of shape
     (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)`` (see gn_patch.group_norm_act).
@@ -35,10 +38,10 @@ class GroupNormAct(nn.GroupNorm):
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str | None = "silu", device=None, dtype=None) -> None:
-        check_num_groups(num_groups)  # before nn.GroupNorm's own check, which divides by it
-        check_eps(eps)
+        num_groups = check_num_groups(num_groups)  # before nn.GroupNorm's own check, which divides by it
+        eps = check_eps(eps)
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
-        self.activation = canonical_activation(activation)
+        self.activation = activation
 
     @classmethod
     def from_group_norm(cls, group_norm: nn.GroupNorm, activation: str | None = "silu") -> GroupNormAct:
@@ -58,6 +61,11 @@ class GroupNormAct(nn.GroupNorm):
             module.bias = group_norm.bias
         module.train(group_norm.training)
         return module
+
+    def __setattr__(self, name: str, value) -> None:
+        # `activation` is kept canonical whenever it is set (the constructor, the surgeon, a user switching it), so
+        # that forward passes it on without a per-call lookup. Raises ValueError for an unknown name.
+        super().__setattr__(name, canonical_activation(value) if name == "activation" else value)
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
                 shift: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,10 @@ function computes PyTorch's path in Python.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -74,27 +77,39 @@ def canonical_activation(activation: str | None) -> str:
     return name
 
 
-def check_num_groups(num_groups) -> None:
-    """Raises TypeError unless num_groups is an int (not a bool), ValueError unless it is positive. Skipped while
-    torch.compile traces (a symbolic int is no int to Dynamo): the op's schema and C++ checks still apply."""
-    if torch.compiler.is_compiling():
-        return
-    if isinstance(num_groups, bool) or not isinstance(num_groups, (int, torch.SymInt)):
+def check_num_groups(num_groups):
+    """num_groups as a Python int: an int (not a bool), or what F.group_norm also takes, an integer that converts
+    exactly (a numpy integer, a one-element integer tensor). Raises TypeError for anything else, ValueError unless
+    it is positive. Skipped while torch.compile traces (a symbolic int is no int to Dynamo; returned as given): the
+    op's schema and C++ checks still apply."""
+    if torch.compiler.is_compiling() or isinstance(num_groups, torch.SymInt):
+        return num_groups
+    bool_tensor = isinstance(num_groups, torch.Tensor) and num_groups.dtype == torch.bool
+    if not isinstance(num_groups, (bool, int)) and not bool_tensor:
+        with contextlib.suppress(TypeError):  # numpy integers, one-element integer tensors (not floats)
+            num_groups = operator.index(num_groups)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
         raise TypeError(f"gn_patch: num_groups must be an int, got {type(num_groups).__name__}")
     if num_groups <= 0:
         raise ValueError(f"gn_patch: num_groups must be positive, got {num_groups}")
+    return num_groups
 
 
-def check_eps(eps) -> None:
-    """Raises TypeError unless eps is a real number (not a bool), ValueError unless it is finite and >= 0. Skipped
-    while torch.compile traces (a symbolic float under dynamic=True would be traced through math.isfinite): the op's
-    schema and C++ checks still apply."""
-    if torch.compiler.is_compiling():
-        return
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
+def check_eps(eps):
+    """eps as a Python float: a real number (not a bool; numpy floating scalars included) or, as F.group_norm also
+    takes, a one-element real tensor. Raises TypeError for anything else, ValueError unless it is finite and >= 0.
+    Skipped while torch.compile traces (a symbolic float under dynamic=True would be traced through math.isfinite;
+    returned as given): the op's schema and C++ checks still apply."""
+    if torch.compiler.is_compiling() or isinstance(eps, torch.SymFloat):
+        return eps
+    real_tensor = (isinstance(eps, torch.Tensor) and eps.numel() == 1
+                   and not (eps.dtype.is_complex or eps.dtype == torch.bool))
+    if isinstance(eps, bool) or not (isinstance(eps, numbers.Real) or real_tensor):
         raise TypeError(f"gn_patch: eps must be a float, got {type(eps).__name__}")
-    if not (isinstance(eps, torch.SymFloat) or (math.isfinite(eps) and eps >= 0)):
+    eps = float(eps)
+    if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"gn_patch: eps must be a finite number >= 0, got {eps}")
+    return eps
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -372,8 +387,7 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
-    check_num_groups(num_groups)
-    check_eps(eps)
+    num_groups, eps = check_num_groups(num_groups), check_eps(eps)
     for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")

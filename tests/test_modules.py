@@ -41,6 +41,19 @@ def test_activation_name_is_case_insensitive():
     assert gn_patch.GroupNormAct.from_group_norm(torch.nn.GroupNorm(2, 8), "GELU").activation == "gelu"
 
 
+@pytest.mark.parametrize("name,expected", [("SiLU", F.silu), ("none", None), (None, None), ("swish", F.silu),
+                                           ("GELU", F.gelu)])
+def test_activation_assigned_after_construction(name, expected):
+    """Any name the constructor takes may be assigned later: it is made canonical then, and forward applies it."""
+    module = gn_patch.GroupNormAct(2, 8, activation="relu")
+    module.activation = name
+    x = torch.randn(2, 8, 3, 3)
+    reference = F.group_norm(x, 2, module.weight, module.bias, module.eps)
+    assert torch.equal(module(x), expected(reference) if expected else reference)
+    with pytest.raises(ValueError, match="unknown activation 'bogus'"):
+        module.activation = "bogus"
+
+
 class TestModule:
     def test_state_dict_interchangeable_with_group_norm(self):
         gn = torch.nn.GroupNorm(4, 16)

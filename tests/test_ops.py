@@ -2,6 +2,7 @@
 PyTorch's path (in Python before the extension loads, in C++ after), errors, op registration (schema, fake, the
 C++ autograd), the reference forward and backward formulas the kernels implement, transforms and tracing."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,7 @@ class TestErrors:
         with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
             gn_patch.group_norm_act(torch.randn(1, 4), 4)
 
-    @pytest.mark.parametrize("num_groups", [2.0, True, "4", None])
+    @pytest.mark.parametrize("num_groups", [2.0, True, "4", None, torch.tensor(4.0), torch.tensor(True)])
     def test_num_groups_not_an_int(self, num_groups, host_path):
         with pytest.raises(TypeError, match=f"num_groups must be an int, got {type(num_groups).__name__}"):
             gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), num_groups)
@@ -144,10 +145,21 @@ class TestErrors:
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, eps=eps)
 
-    @pytest.mark.parametrize("eps", ["1e-5", None, True, torch.tensor(1e-5)])
+    @pytest.mark.parametrize("eps", ["1e-5", None, True, 1j, torch.tensor([1e-5, 1e-5]), torch.tensor(True)])
     def test_eps_not_a_number(self, eps, host_path):
         with pytest.raises(TypeError, match="eps must be a float"):
             gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, eps=eps)
+
+    @pytest.mark.parametrize("num_groups,eps", [(np.int64(4), np.float32(1e-3)), (torch.tensor(4), torch.tensor(1e-3)),
+                                                (np.int32(4), np.float64(1e-3))], ids=["numpy32", "tensors", "numpy64"])
+    def test_numpy_and_tensor_scalars_as_f_group_norm(self, num_groups, eps, host_path):
+        """num_groups and eps as F.group_norm takes them besides Python numbers: the same values."""
+        x = torch.randn(2, 8, 3, 3)
+        expected = F.silu(F.group_norm(x, num_groups, eps=eps))
+        assert torch.equal(gn_patch.group_norm_act(x, num_groups, eps=eps), expected)
+        module = gn_patch.GroupNormAct(num_groups, 8, eps=eps, affine=False)
+        assert type(module.num_groups) is int and type(module.eps) is float
+        assert torch.equal(module(x), expected)
 
     @pytest.mark.parametrize("name", ["weight", "bias", "scale", "shift"])
     def test_parameter_not_a_tensor(self, name, host_path):

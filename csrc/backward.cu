@@ -11,9 +11,9 @@
 // block computes dx for its rows (from registers when resident).
 // Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
 // (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
-// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a multiple of 8 (10, 12, 20, 30, 60, 90), as in
-// the forward) run the same kernels instantiated with Straddle: the channel sums are per lane whatever the group;
-// a thread's lanes past lanes_lo take the next group's mean, rstd and dx coefficients.
+// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a
+// multiple of 8, as in the forward) run the same kernels instantiated with Straddle: the channel sums are per lane
+// whatever the group; a thread's lanes past lanes_lo take the next group's mean, rstd and dx coefficients.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
 // fixed order, unless one cluster holds all the images of a tile (Geometry::images): its first block then sums
 // them through distributed shared memory. No atomics: gradients are bitwise deterministic.

@@ -12,8 +12,8 @@
 //
 // Within a thread, statistics are sums of deviations from the batch's first element (one pass over the rows held
 // in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
-// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a multiple of 8: 10, 12, 20, 30, 60, 90) run
-// the same kernels instantiated with Straddle: each thread keeps its vector's two groups' statistics apart.
+// Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a
+// multiple of 8) run the same kernels instantiated with Straddle: each thread keeps both groups' statistics apart.
 
 #include "launch.cuh"
 #include "reduce.cuh"

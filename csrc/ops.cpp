@@ -55,11 +55,11 @@ DeviceLimits device_limits(const at::Tensor& x, Pass pass, ScalarKind dtype, int
 
 // The kernels' geometry for x, whose data (and that of the tensors read and written with it) is at `pointers`.
 // A pass whose vectors are narrower than 16 bytes (groups of more than 8 16-bit channels, not a multiple of 8: 10,
-// 12, 20, 30, 60, 90; 4 or 8 bytes) and whose rows are not resident takes vectors straddling two groups: each row
-// then costs a quarter or half of the instructions, but fewer rows fit the registers. On the H200 (fp16), forward: (32, 320, 64, 64) 139 -> 96 us,
+// 12, 20, 30, 60, 90) and whose rows are not resident takes vectors straddling two groups: a row costs a quarter or
+// half of the instructions, fewer rows fit the registers. On the H200 (fp16), forward: (32, 320, 64, 64) 139 -> 96,
 // (2, 320, 128, 128) 48 -> 34, resident (2, 640, 32, 32) 8.1 -> 9.2; backward: (2, 320, 128, 128) 91 -> 60,
 // (2, 960, 64, 64) 64 -> 46, resident (2, 640, 32, 32) 14.0 -> 15.2 (but (2, 320, 32, 32) 13.2 -> 10.4); hence
-// only where rows stream.
+// only where rows stream (times in us).
 Geometry geometry(Pass pass, const at::Tensor& x, int64_t num_groups, Act act,
                   std::initializer_list<const void*> pointers) {
   const int64_t N = x.size(0), C = x.size(1), D = C / num_groups, S = spatial_size(x);

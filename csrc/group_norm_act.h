@@ -71,7 +71,7 @@ enum class Pass : int { kForward = 0, kBackward = 1 };
 // How one (N, S, C) channels-last tensor is cut into thread blocks.
 //   - A row is one spatial position: C contiguous channels, read as vectors of `vec` elements. vec divides the
 //     group size D, so every vector (every thread) lies in one group; except in `straddle` geometries, whose
-//     16-byte vectors may span two groups (D > vec, not a multiple of it: C = 320, 384, 640 or 960 with G = 32),
+//     16-byte vectors may span two groups (D > vec, not a multiple of it: e.g. C = 320, 640, 960 or 1920 with G = 32),
 //     each thread then keeping both groups' statistics (forward) or moments and dx coefficients (backward).
 //   - A tile is `groups_per_tile` consecutive groups: tile_vecs = groups_per_tile * vecs_per_group vectors of a
 //     row. Block threads are (rowlane, col) with col < tile_vecs fastest; a block walks its rows block_rows at a

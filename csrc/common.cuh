@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "group_norm_act.h"
 
@@ -202,6 +204,34 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[V]) {
     pack.bits.w[i] = word;
   }
   *reinterpret_cast<Pack<T, V>*>(p) = pack;
+}
+
+template <typename To, typename From>
+__device__ __forceinline__ To bit_cast(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+}
+
+// a + b per element, rounded to T: the value PyTorch's CUDA add gives (a float32 sum rounded to T; for 16-bit T
+// that is the correctly rounded sum, which HADD2 computes, since float32 holds more than twice their precision).
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> add_packs(const Pack<T, V>& a, const Pack<T, V>& b) {
+  constexpr int kWords = sizeof(a.bits.w) / sizeof(a.bits.w[0]);
+  Pack<T, V> sum;
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      sum.bits.w[i] = __float_as_uint(__uint_as_float(a.bits.w[i]) + __uint_as_float(b.bits.w[i]));
+    } else if constexpr (Pack<T, V>::kPerWord == 1) {  // one 16-bit element
+      sum.bits.w[i] = float_to_bits<T>(bits_to_float<T>(a.bits.w[i]) + bits_to_float<T>(b.bits.w[i]));
+    } else {
+      using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+      sum.bits.w[i] = bit_cast<unsigned int>(__hadd2(bit_cast<T2>(a.bits.w[i]), bit_cast<T2>(b.bits.w[i])));
+    }
+  }
+  return sum;
 }
 
 // Element i of an optional parameter stored as T or as float32 (fp32 master weights under autocast).

@@ -14,6 +14,8 @@
 // in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
 // Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a
 // multiple of 8) run the same kernels instantiated with Straddle: each thread keeps both groups' statistics apart.
+// With an input offset (ForwardArgs::input_offset, diffusers' `hidden_states + temb` before a resnet block's norm2)
+// the kernels instantiated with Offset add it to every row they load: the sum is never written to memory.
 
 #include "launch.cuh"
 #include "reduce.cuh"
@@ -28,6 +30,27 @@ __device__ __forceinline__ Welford sums_to_welford(float ref, float s1, float s2
   const float m2 = s2 - s1 * mean;
   return Welford{ref, mean, m2 < 0.f ? 0.f : m2, count};  // a select, not fmaxf: NaN propagates
 }
+
+// ForwardArgs::input_offset[n, c0 .. c0 + V) added to the rows a thread loads (Enabled), or nothing. A thread's
+// channels are the same in every row it visits: one load of V offsets per thread.
+template <typename T, int V, bool Enabled>
+struct RowOffset {
+  Pack<T, V> pack{};
+
+  __device__ __forceinline__ RowOffset(const ForwardArgs& a, const BlockCoord& b) {
+    if constexpr (Enabled) {
+      if (b.active) pack = load_pack<T, V>(static_cast<const T*>(a.input_offset) + b.n * a.geo.C + b.c0);
+    }
+  }
+
+  template <int U>
+  __device__ __forceinline__ void add_to(Pack<T, V> (&packs)[U]) const {
+    if constexpr (Enabled) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) packs[u] = add_packs(packs[u], pack);
+    }
+  }
+};
 
 // Statistics of the first `rows` of U packs in one pass over the registers: sums of the deviations from the
 // batch's first element k (the reference), mean = k + s1 / n, m2 = s2 - s1^2 / n. The deviations stay within the
@@ -113,26 +136,29 @@ __device__ __forceinline__ void rows_stats_straddle(const Pack<T, V> (&packs)[U]
 }
 
 // Statistics of the rows this thread streams (not resident), a batch of U rows in flight at a time.
-template <typename T, int V, int U>
-__device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry& g, const BlockCoord& b, int64_t rows) {
+template <typename T, int V, int U, typename Offset>
+__device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry& g, const BlockCoord& b, int64_t rows,
+                                                  const Offset& offset) {
   Welford w{};
   for (int64_t u0 = 0; u0 < rows; u0 += U) {
     Pack<T, V> batch[U];  // a fresh array per batch: one carried across iterations went to local memory
     load_rows<T, V, U>(batch, base, g, b, u0, rows);
+    offset.add_to(batch);
     w = welford_combine(w, rows_stats<T, V, U>(batch, (int)min((int64_t)U, rows - u0)));
   }
   return w;
 }
 
 // streamed_stats for straddling vectors: the statistics of the thread's group (lo) and of the next (hi).
-template <typename T, int V, int U>
+template <typename T, int V, int U, typename Offset>
 __device__ __forceinline__ void streamed_stats_straddle(const T* base, const Geometry& g, const BlockCoord& b,
-                                                        int64_t rows, Welford& lo, Welford& hi) {
+                                                        int64_t rows, const Offset& offset, Welford& lo, Welford& hi) {
   lo = Welford{};
   hi = Welford{};
   for (int64_t u0 = 0; u0 < rows; u0 += U) {
     Pack<T, V> batch[U];
     load_rows<T, V, U>(batch, base, g, b, u0, rows);
+    offset.add_to(batch);
     Welford l, h;
     rows_stats_straddle<T, V, U>(batch, (int)min((int64_t)U, rows - u0), b.lanes_lo, l, h);
     lo = welford_combine(lo, l);
@@ -186,14 +212,16 @@ __device__ __forceinline__ void normalize_pack(const Pack<T, V>& pack, T* y, con
 // statistics pass read them first to last, so the rows still in L2 come first (on the H200, up to 6% off the
 // batch-32 shapes whose blocks' rows outgrow L2 together). Where the whole tensor stays in L2 there is nothing to
 // gain: one peers run measured the reversed order 2-9% slower at three such shapes (benchmarks/NOTES.md).
-template <typename T, int V, Act A, bool Straddle>
+template <typename T, int V, Act A, bool Straddle, typename Offset>
 __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geometry& g, const BlockCoord& b,
-                                                   int64_t rows, const LaneAffine<V, Straddle>& l) {
+                                                   int64_t rows, const LaneAffine<V, Straddle>& l,
+                                                   const Offset& offset) {
   const int64_t batches = (rows + kStreamUnroll - 1) / kStreamUnroll;
   for (int64_t i = 0; i < batches; ++i) {
     const int64_t u0 = (g.reread_reversed ? batches - 1 - i : i) * kStreamUnroll;
     Pack<T, V> batch[kStreamUnroll];
     load_rows<T, V, kStreamUnroll>(batch, x, g, b, u0, rows);
+    offset.add_to(batch);
 #pragma unroll
     for (int u = 0; u < kStreamUnroll; ++u) {
       if (u0 + u < rows) normalize_pack<T, V, A>(batch[u], y + thread_row(g, b, u0 + u) * g.C, l);
@@ -227,14 +255,14 @@ __device__ __forceinline__ ThreadStats resident_stats(const Pack<T, V> (&packs)[
   return t;
 }
 
-template <typename T, int V, bool Straddle, int U>
+template <typename T, int V, bool Straddle, int U, typename Offset>
 __device__ __forceinline__ ThreadStats streamed_thread_stats(const T* x, const Geometry& g, const BlockCoord& b,
-                                                             int64_t rows) {
+                                                             int64_t rows, const Offset& offset) {
   ThreadStats t{};
   if constexpr (Straddle) {
-    streamed_stats_straddle<T, V, U>(x, g, b, rows, t.lo, t.hi);
+    streamed_stats_straddle<T, V, U>(x, g, b, rows, offset, t.lo, t.hi);
   } else {
-    t.lo = streamed_stats<T, V, U>(x, g, b, rows);
+    t.lo = streamed_stats<T, V, U>(x, g, b, rows, offset);
   }
   return t;
 }
@@ -262,7 +290,7 @@ __device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(const float4* sta
   }
 }
 
-template <typename T, int V, Act A, bool Straddle>
+template <typename T, int V, Act A, bool Straddle, bool Offset>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kernel(const ForwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T), Straddle);
   __shared__ Welford items[kMaxThreads];
@@ -275,12 +303,16 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const int64_t rows = thread_rows(g, b);
+  const RowOffset<T, V, Offset> offset(a, b);
 
   Pack<T, V> packs[kRows];  // resident rows
-  if (g.resident) load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
+  if (g.resident) {
+    load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
+    offset.add_to(packs);
+  }
   load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
   const ThreadStats t = g.resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
-                                   : streamed_thread_stats<T, V, Straddle, kRows>(x, g, b, rows);
+                                   : streamed_thread_stats<T, V, Straddle, kRows>(x, g, b, rows, offset);
   block_stats_of<Straddle>(t, items, items_hi, partial, block_stats, g);
   // The cluster's blocks read each other's block_stats; without a cluster each thread reads back its own.
   if (g.cluster() > 1) cluster_sync(g.cluster());
@@ -302,14 +334,14 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
         if (u < rows) normalize_pack<T, V, A>(packs[u], y + thread_row(g, b, u) * g.C, l);
       }
     } else {
-      normalize_streamed<T, V, A>(x, y, g, b, rows, l);
+      normalize_streamed<T, V, A>(x, y, g, b, rows, l, offset);
     }
   }
   cluster_wait(g.cluster());
 }
 
 // Unclustered, 1: the block's per-group statistics -> partials[(n * splits + split) * G + group].
-template <typename T, int V, bool Straddle>
+template <typename T, int V, bool Straddle, bool Offset>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel(const ForwardArgs a) {
   // Rows in flight per batch: 32 registers of loads, as before resident rows were capped at 24 (a DRAM-bound pass:
   // one H200 run with batches of resident_rows had the (1, 256, 1024, 1024) forward 10% slower).
@@ -322,8 +354,9 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
-  block_stats_of<Straddle>(streamed_thread_stats<T, V, Straddle, kStatsBatch>(x, g, b, thread_rows(g, b)), items,
-                           items_hi, partial, block_stats, g);
+  const RowOffset<T, V, Offset> offset(a, b);
+  block_stats_of<Straddle>(streamed_thread_stats<T, V, Straddle, kStatsBatch>(x, g, b, thread_rows(g, b), offset),
+                           items, items_hi, partial, block_stats, g);
   __syncthreads();
   if (threadIdx.x < g.groups_per_tile) {
     const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;
@@ -349,52 +382,68 @@ __global__ void finalize_kernel(const ForwardArgs a) {
 }
 
 // Unclustered, 3: normalise the block's rows with its groups' statistics.
-template <typename T, int V, Act A, bool Straddle>
+template <typename T, int V, Act A, bool Straddle, bool Offset>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_kernel(const ForwardArgs a) {
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
   if (!b.active) return;  // no barriers in this kernel
-  const int64_t offset = b.n * g.S * g.C + b.c0;
+  const int64_t first = b.n * g.S * g.C + b.c0;  // the thread's first element
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
   const auto l = lane_affine<V, Straddle>(reinterpret_cast<const float4*>(a.group_stats) + b.n * g.G + b.group,
                                           affine, b);
-  normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + offset, static_cast<T*>(a.y) + offset, g, b,
-                              thread_rows(g, b), l);
+  normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + first, static_cast<T*>(a.y) + first, g, b,
+                              thread_rows(g, b), l, RowOffset<T, V, Offset>(a, b));
 }
 
-template <typename T, int V, Act A, bool Straddle>
+template <typename T, int V, Act A, bool Straddle, bool Offset>
 void launch_forward_kernels(const ForwardArgs& a, cudaStream_t stream) {
   const Geometry& g = a.geo;
-  if (g.clustered) return launch_kernel(forward_kernel<T, V, A, Straddle>, g, stream, a);
-  launch_kernel(stats_kernel<T, V, Straddle>, g, stream, a);
+  if (g.clustered) return launch_kernel(forward_kernel<T, V, A, Straddle, Offset>, g, stream, a);
+  launch_kernel(stats_kernel<T, V, Straddle, Offset>, g, stream, a);
   const unsigned finalize_blocks = (unsigned)((g.N * g.G + kFinalizeThreads / 32 - 1) / (kFinalizeThreads / 32));
   finalize_kernel<<<finalize_blocks, kFinalizeThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  launch_kernel(normalize_kernel<T, V, A, Straddle>, g, stream, a);
+  launch_kernel(normalize_kernel<T, V, A, Straddle, Offset>, g, stream, a);
+}
+
+template <typename T, int V, Act A, bool Offset>
+void launch_forward_layout(const ForwardArgs& a, cudaStream_t stream) {
+  if constexpr (kStraddles<T, V>) {
+    if (a.geo.straddle) return launch_forward_kernels<T, V, A, true, Offset>(a, stream);
+  }
+  launch_forward_kernels<T, V, A, false, Offset>(a, stream);
 }
 
 template <typename T, int V, Act A>
 struct ForwardKernels {
   static void fn(const ForwardArgs& a, cudaStream_t stream) {
-    if constexpr (kStraddles<T, V>) {
-      if (a.geo.straddle) return launch_forward_kernels<T, V, A, true>(a, stream);
+    if constexpr (fuses_input_offset(A)) {
+      if (a.input_offset != nullptr) return launch_forward_layout<T, V, A, true>(a, stream);
     }
-    launch_forward_kernels<T, V, A, false>(a, stream);
+    launch_forward_layout<T, V, A, false>(a, stream);
   }
 };
 
-// Both kernels of a 16-byte vector width (straddling or not) are opted in to large clusters.
+// The clustered kernel's cluster limit, opting it in to large clusters.
+template <typename T, int V, Act A, bool Straddle, bool Offset>
+int forward_kernel_max_cluster() {
+  static std::array<std::atomic<int>, 64> cache{};
+  return query_max_cluster(forward_kernel<T, V, A, Straddle, Offset>, cache);
+}
+
+// Every clustered kernel of a vector width (straddling or not, with an input offset or not) is opted in to large
+// clusters; the geometry takes the smallest limit.
 template <typename T, int V, Act A>
 struct ForwardMaxCluster {
   static int fn() {
-    static std::array<std::atomic<int>, 64> cache{};
-    const int whole_groups = query_max_cluster(forward_kernel<T, V, A, false>, cache);
-    if constexpr (kStraddles<T, V>) {
-      static std::array<std::atomic<int>, 64> straddle_cache{};
-      return std::min(whole_groups, query_max_cluster(forward_kernel<T, V, A, true>, straddle_cache));
+    int limit = forward_kernel_max_cluster<T, V, A, false, false>();
+    if constexpr (kStraddles<T, V>) limit = std::min(limit, forward_kernel_max_cluster<T, V, A, true, false>());
+    if constexpr (fuses_input_offset(A)) {
+      limit = std::min(limit, forward_kernel_max_cluster<T, V, A, false, true>());
+      if constexpr (kStraddles<T, V>) limit = std::min(limit, forward_kernel_max_cluster<T, V, A, true, true>());
     }
-    return whole_groups;
+    return limit;
   }
 };
 
@@ -405,6 +454,8 @@ void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
   // As in launch_backward: straddling kernels exist for the 16-byte vectors of 16-bit types only.
   TORCH_CHECK(!a.geo.straddle || (a.dtype != ScalarKind::kFloat && a.geo.vec == 8),
               "gn_patch: straddling geometry for vectors without straddling kernels");
+  TORCH_CHECK(a.input_offset == nullptr || fuses_input_offset(a.act),
+              "gn_patch: an input offset for an activation whose kernels do not add it");
   dispatch<ForwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
 }
 

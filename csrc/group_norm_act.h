@@ -19,6 +19,12 @@ enum class ScalarKind : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 // The activation applied after the normalisation; a compile-time template parameter of every kernel.
 enum class Act : int { kIdentity = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3, kRelu = 4, kMish = 5 };
 
+// Activations whose forward kernels take ForwardArgs::input_offset themselves: SiLU, what diffusers' resnet blocks
+// apply after `hidden_states + temb` and norm2. For the others the op adds the offset with PyTorch first (the
+// kernels are instantiated per activation; one more set for each would add a sixth of the forward's build time
+// each, for no block that uses them).
+constexpr bool fuses_input_offset(Act act) { return act == Act::kSilu; }
+
 // Threads per block never exceed this.
 constexpr int kMaxThreads = 256;
 // The most blocks one (image, tile) is spread over: a thread-block cluster of 16 is the largest sm_90 schedules
@@ -158,6 +164,9 @@ struct ForwardArgs {
   const void* bias;    // (C,) or nullptr: all zeros
   const void* scale;   // (N, C) or nullptr: y = act(GN(x) * (1 + scale) + shift)
   const void* shift;   // (N, C) or nullptr
+  // (N, C) in x's dtype, or nullptr: x + input_offset (rounded to x's dtype, as PyTorch's add) is what is
+  // normalised; only for activations with fuses_input_offset.
+  const void* input_offset;
   bool params_fp32;    // weight/bias are float32 (else the input's dtype)
   bool modulation_fp32;  // scale/shift are float32 (else the input's dtype)
   float eps;

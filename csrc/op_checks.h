@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "group_norm_act.h"
 
@@ -164,6 +165,29 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
                            dtype_str((*a)->scalar_type()) + " and " + dtype_str((*b)->scalar_type()));
     }
   }
+}
+
+// The forward op's input_offset: (N, C), x's dtype and device (the dispatching op adds any other offset with
+// PyTorch first).
+inline void check_input_offset(const at::Tensor& x, const std::optional<at::Tensor>& input_offset) {
+  if (!input_offset.has_value()) return;
+  const at::Tensor& t = *input_offset;
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == x.size(0) && t.size(1) == x.size(1),
+                    "gn_patch: input_offset must have shape (N, C) = (" + std::to_string(x.size(0)) + ", " +
+                        std::to_string(x.size(1)) + "), got " + shape_str(t.sizes()));
+  TORCH_CHECK(t.device() == x.device(), "Expected all tensors to be on the same device, but found input on " +
+                                            x.device().str() + " and input_offset on " + t.device().str());
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), "gn_patch: input_offset must have the input's dtype (" +
+                                                           dtype_str(x.scalar_type()) + "), got " +
+                                                           dtype_str(t.scalar_type()));
+}
+
+// A per-sample (N, C) tensor as a view that broadcasts against x: (N, C, 1, ..., 1) with x's rank.
+inline at::Tensor sample_view(const at::Tensor& t, const at::Tensor& x) {
+  std::vector<int64_t> shape(x.dim(), 1);
+  shape[0] = x.size(0);
+  shape[1] = x.size(1);
+  return t.view(shape);
 }
 
 inline void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,

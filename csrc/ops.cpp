@@ -4,6 +4,7 @@
 // of the input's device. No host synchronisation: the ops can be captured in CUDA graphs.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -96,25 +97,34 @@ at::Tensor kernel_layout(const at::Tensor& x, int64_t num_groups) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
-    c10::string_view activation) {
+    c10::string_view activation, const std::optional<at::Tensor>& input_offset) {
   check_inputs(input, weight, bias, scale, shift, num_groups);
+  check_input_offset(input, input_offset);
   check_eps(eps);
   const Act act = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t N = input.size(0);
+  const bool supported = kernel_supports_group_size(input.size(1) / num_groups, (int)input.element_size());
+  if (input_offset.has_value() && N > 0 && !(supported && fuses_input_offset(act))) {
+    // Kernels that do not add the offset: x + offset with PyTorch's add (the kernels' rounding), y in x's layout.
+    auto [y, mean, rstd] = group_norm_act_cuda(at::add(input, sample_view(*input_offset, input)), weight, bias,
+                                               scale, shift, num_groups, eps, activation, std::nullopt);
+    at::Tensor out = at::empty_like(input);
+    return {out.strides() == y.strides() ? y : out.copy_(y), mean, rstd};
+  }
   const auto stat_opts = input.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({N, num_groups}, stat_opts);
   at::Tensor rstd = at::empty({N, num_groups}, stat_opts);
   if (N == 0) return {at::empty_like(input), mean, rstd};
-  if (!kernel_supports_group_size(input.size(1) / num_groups, (int)input.element_size())) {
-    return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
-  }
+  if (!supported) return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
 
   const at::Tensor x = kernel_layout(input, num_groups);
   at::Tensor y = at::empty_like(x);
   const auto weight_d = dense(weight), bias_d = dense(bias), scale_d = dense(scale), shift_d = dense(shift);
+  const auto offset_d = dense(input_offset);
   ForwardArgs a;
-  a.geo = geometry(Pass::kForward, x, num_groups, act, {x.const_data_ptr(), y.const_data_ptr()});
+  a.geo = geometry(Pass::kForward, x, num_groups, act,
+                   {x.const_data_ptr(), y.const_data_ptr(), data_or_null(offset_d)});
   a.dtype = scalar_kind(x);
   a.act = act;
   a.x = x.const_data_ptr();
@@ -122,6 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   a.bias = data_or_null(bias_d);
   a.scale = data_or_null(scale_d);
   a.shift = data_or_null(shift_d);
+  a.input_offset = data_or_null(offset_d);
   a.params_fp32 = is_fp32_for(x, weight, bias);
   a.modulation_fp32 = is_fp32_for(x, scale, shift);
   a.eps = (float)eps;

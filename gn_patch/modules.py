@@ -27,8 +27,10 @@ class GroupNormAct(nn.GroupNorm):
     num_groups may also be a numpy integer or a one-element integer tensor, eps a numpy float or a one-element real
     tensor, as torch.nn.GroupNorm takes them: they are stored as a Python int and float.
 
-    ``forward(x, scale=None, shift=None)``: x is (N, C, *spatial); the optional per-sample scale and shift of shape
-    (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)`` (see gn_patch.group_norm_act).
+    ``forward(x, scale=None, shift=None, input_offset=None)``: x is (N, C, *spatial); the optional per-sample
+    scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``;
+    ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) gives ``act(GroupNorm(x + input_offset))``,
+    the sum formed as the kernels load x. See gn_patch.group_norm_act.
 
     Raises:
         TypeError: num_groups not an int, eps not a number.
@@ -67,9 +69,10 @@ class GroupNormAct(nn.GroupNorm):
         # that forward passes it on without a per-call lookup. Raises ValueError for an unknown name.
         super().__setattr__(name, canonical_activation(value) if name == "activation" else value)
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
-                shift: torch.Tensor | None = None) -> torch.Tensor:
-        return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift)
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                input_offset: torch.Tensor | None = None) -> torch.Tensor:
+        return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift,
+                               input_offset)
 
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript (its forward chooses between the CUDA kernels "

@@ -3,14 +3,15 @@
 Ops (schemas, fake functions and CPU reference implementations here; CUDA kernels, autograd and dispatch in the
 compiled extension, csrc/, loaded on first use by gn_patch.extension):
 
-* ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation) -> (y, mean, rstd)``:
-  the kernels' op. CUDA: any layout (non-channels-last inputs through a channels-last copy); CPU: the reference
-  implementation (same formulas, float32 statistics).
+* ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None) ->
+  (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last inputs through a channels-last copy); CPU:
+  the reference implementation (same formulas, float32 statistics).
 * ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
-* ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift) -> y``: what
+* ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset=None)
+  -> y``: what
   :func:`group_norm_act` and ``GroupNormAct.forward`` call, once per call: it sends what the kernels take
   (channels-last CUDA inputs) to ``group_norm_act`` and computes everything else exactly as PyTorch's
-  ``F.group_norm``, ``* (1 + scale) + shift`` and the activation do, in C++.
+  ``x + input_offset``, ``F.group_norm``, ``* (1 + scale) + shift`` and the activation do, in C++.
 
 Until the extension is loaded (it is built on the first CUDA input; CPU-only installs never build it), the public
 function computes PyTorch's path in Python.
@@ -45,7 +46,7 @@ _ALIASES = {"swish": "silu", "none": "identity", None: "identity"}
 _lib = torch.library.Library("gn_patch", "DEF")
 _lib.define(
     "group_norm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, int num_groups, float eps,"
-    " str activation) -> (Tensor y, Tensor mean, Tensor rstd)"
+    " str activation, Tensor? input_offset=None) -> (Tensor y, Tensor mean, Tensor rstd)"
 )
 _lib.define(
     "group_norm_act_backward(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift,"
@@ -54,7 +55,7 @@ _lib.define(
 )
 _lib.define(
     "group_norm_act_dispatch(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation,"
-    " Tensor? scale, Tensor? shift) -> Tensor"
+    " Tensor? scale, Tensor? shift, Tensor? input_offset=None) -> Tensor"
 )
 _DISPATCH = torch.ops.gn_patch.group_norm_act_dispatch.default
 
@@ -165,6 +166,20 @@ def _check_param(x, name, p):
                       lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}) or float32, got {p.dtype}")
 
 
+def _check_input_offset(x, input_offset):
+    """The forward op's input_offset: (N, C), x's dtype and device (csrc/op_checks.h's check_input_offset)."""
+    if input_offset is None:
+        return
+    torch._check_value(input_offset.dim() == 2 and tuple(input_offset.shape) == tuple(x.shape[:2]),
+                       lambda: f"gn_patch: input_offset must have shape (N, C) = ({x.shape[0]}, {x.shape[1]}), got "
+                               f"{list(input_offset.shape)}")
+    torch._check(input_offset.device == x.device, lambda: "Expected all tensors to be on the same device, but found "
+                                                          f"input on {x.device} and input_offset on "
+                                                          f"{input_offset.device}")
+    torch._check_type(input_offset.dtype == x.dtype, lambda: f"gn_patch: input_offset must have the input's dtype "
+                                                             f"({x.dtype}), got {input_offset.dtype}")
+
+
 def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
     torch._check_value(grad_out.shape == x.shape and grad_out.dtype == x.dtype,
                        lambda: "gn_patch: grad_out must match the input's shape, dtype and device")
@@ -179,8 +194,9 @@ def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
 # Fake functions: shapes, dtypes and strides (y has x's layout, as empty_like gives it).
 # ------------------------------------------------------------------------------------------------
 @torch.library.register_fake("gn_patch::group_norm_act")
-def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation):
+def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
+    _check_input_offset(x, input_offset)
     check_eps(eps)
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
     return torch.empty_like(x), stats, torch.empty_like(stats)
@@ -236,17 +252,20 @@ def _modulated(v, m, shift):
 
 
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
-def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation):
+def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
+    _check_input_offset(x, input_offset)
     check_eps(eps)
     if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
         return torch.empty_like(x), stats, torch.empty_like(stats)
+    y = torch.empty_like(x)
+    if input_offset is not None:  # the sum in x's dtype, as the kernels form it
+        x = x + _sample_view(input_offset, x)
     acc = x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1)
     var, mean = torch.var_mean(acc, dim=-1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
     u = _modulated(_affine(_normalized(x, mean, rstd, num_groups), weight, bias), _modulation(x, scale), shift)
-    y = torch.empty_like(x)
     y.copy_(ACTIVATIONS[canonical_activation(activation)](u))
     return y, mean, rstd
 
@@ -304,14 +323,16 @@ def _safe_group_norm(x, num_groups, weight, bias, eps):
     return F.group_norm(x, num_groups, weight, bias, eps)
 
 
-def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None):
-    """Stock PyTorch: F.group_norm, the per-sample modulation ``* (1 + scale) + shift`` as diffusers writes it, then
-    the activation. What the dispatching op computes for the inputs the kernels do not take, before the extension
-    is loaded. On the CPU, y has the layout PyTorch's CPU kernel gives it (x's suggested memory format), stated here
-    because the fake (meta) group_norm of torch 2.14 returns NCHW for channels-last input: torch.compile then traces
-    the layout the real call returns."""
+def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None, input_offset=None):
+    """Stock PyTorch: ``x + input_offset``, F.group_norm, the per-sample modulation ``* (1 + scale) + shift`` as
+    diffusers writes it, then the activation. What the dispatching op computes for the inputs the kernels do not
+    take, before the extension is loaded. On the CPU, y has the layout PyTorch's CPU kernel gives it (x's suggested
+    memory format), stated here because the fake (meta) group_norm of torch 2.14 returns NCHW for channels-last
+    input: torch.compile then traces the layout the real call returns."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
+    if input_offset is not None:
+        x = x + input_offset
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"gn_patch.group_norm_act: x must be a floating-point tensor, got {x.dtype}")
     scale, shift = _broadcastable(scale, x, "scale"), _broadcastable(shift, x, "shift")
@@ -338,21 +359,22 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
     return t.reshape(n, c, *([1] * (x.dim() - 2)))
 
 
-def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None,
-                    shift=None) -> torch.Tensor:
+def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
+                    input_offset=None) -> torch.Tensor:
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
     if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
-        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift)
-    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift)
+        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset)
+    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset)
 
 
 def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = "silu", *,
-                   scale: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                   input_offset: torch.Tensor | None = None) -> torch.Tensor:
     """GroupNorm (Wu & He, 2018), an optional per-sample modulation, then an activation:
-    ``act(F.group_norm(x, num_groups, weight, bias, eps) * (1 + scale) + shift)``.
+    ``act(F.group_norm(x + input_offset, num_groups, weight, bias, eps) * (1 + scale) + shift)``.
 
     Args:
         x: (N, C, *spatial) with 0 to 3 spatial dims, float16/bfloat16/float32 (any floating dtype on the
@@ -366,6 +388,12 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
         scale, shift: optional per-sample modulation of shape (N, C) or (N, C, 1, ...), e.g. the timestep
             embedding of diffusers' ``time_embedding_norm="scale_shift"`` blocks and ``AdaGroupNorm``; x's dtype or
             float32.
+        input_offset: optional tensor added to x before the normalisation, as ``x + input_offset`` (diffusers'
+            resnet blocks add their timestep embedding, shape (N, C, 1, 1), before norm2). The kernels add a
+            per-sample offset of shape (N, C, 1, ...) (x's rank) and x's dtype as they load x, rounded to x's dtype
+            as PyTorch's add rounds, without writing the sum to memory (inference; under autograd, and with
+            activations other than silu, the sum is PyTorch's add); any other shape or dtype broadcasts and
+            promotes as PyTorch's add does.
 
     Returns:
         y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32). The kernels return
@@ -379,16 +407,19 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
 
     Raises:
         RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,) (messages as
-            torch.nn.GroupNorm's), weight on another device than x.
-        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale or shift neither a tensor nor
-            None; num_groups not an int; eps not a number.
+            torch.nn.GroupNorm's), weight on another device than x; input_offset not broadcastable to x (PyTorch's
+            add's message).
+        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale, shift or input_offset neither
+            a tensor nor None; num_groups not an int; eps not a number.
         ValueError: num_groups <= 0; eps negative, infinite or NaN; unknown activation; scale/shift of the wrong
             shape.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     num_groups, eps = check_num_groups(num_groups), check_eps(eps)
-    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
+    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
+                    ("input_offset", input_offset)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
-    return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift)
+    return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,
+                           input_offset)

@@ -532,3 +532,99 @@ def test_no_grad_runs_the_op_without_recording(kernel_path_on_cpu):
     frozen = gn_patch.group_norm_act(x.detach(), 4, w.detach(), b.detach())
     assert frozen.grad_fn is None
     torch.testing.assert_close(frozen, y, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# input_offset: x + offset before the normalisation (diffusers' `hidden_states + temb` before norm2)
+# ------------------------------------------------------------------------------------------------
+def _stock_with_offset(x, offset, w, b, activation="silu"):
+    return ACTIVATIONS[activation](F.group_norm(x + offset, 4, w, b))
+
+
+@pytest.mark.parametrize("offset_shape", [(2, 8, 1, 1), (1, 8, 1, 1), (8, 1, 1), (2, 8, 3, 4), (4,)])
+def test_pytorch_path_input_offset(offset_shape, host_path):
+    """On PyTorch's path the offset is `x + offset`, whatever its shape (broadcasting as PyTorch's add): exactly
+    stock's values."""
+    x = random_input((2, 8, 3, 4), torch.float32, "cpu", layout="nchw")
+    w, b = affine(8)
+    offset = torch.randn(offset_shape)
+    y = gn_patch.group_norm_act(x, 4, w, b, input_offset=offset)
+    torch.testing.assert_close(y, _stock_with_offset(x, offset, w, b), rtol=0, atol=0)
+
+
+def test_pytorch_path_input_offset_promotes_and_raises_as_add(host_path):
+    x = random_input((2, 8, 3, 4), torch.float32, "cpu", layout="nchw")
+    offset = torch.randn(2, 8, 1, 1, dtype=torch.float64)
+    y = gn_patch.group_norm_act(x, 4, input_offset=offset)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, _stock_with_offset(x, offset, None, None), rtol=0, atol=0)
+    for bad in (torch.randn(2, 5, 1, 1), torch.randn(2, 8)):  # (N, C) broadcasts against the last dims, as in add
+        with pytest.raises(RuntimeError, match="must match the size"):
+            gn_patch.group_norm_act(x, 4, input_offset=bad)
+    with pytest.raises(TypeError, match="input_offset must be a tensor or None"):
+        gn_patch.group_norm_act(x, 4, input_offset=1.0)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_kernel_path_input_offset(requires_grad, kernel_path_on_cpu):
+    """A per-sample offset of x's dtype reaches the kernels' op (no_grad: as its input_offset); with gradients
+    it is PyTorch's add, and x, the offset and the parameters get stock's gradients."""
+    x = random_input((2, 8, 3, 4), torch.float64, "cpu")
+    x32 = x.float().contiguous(memory_format=torch.channels_last).requires_grad_(requires_grad)
+    offset = torch.randn(2, 8, 1, 1).requires_grad_(requires_grad)
+    w, b = (t.requires_grad_(requires_grad) for t in affine(8))
+    with _records_op_calls() as prof:
+        y = gn_patch.group_norm_act(x32, 4, w, b, input_offset=offset)
+    assert _op_called(prof)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x32, offset, w, b)]
+    want = _stock_with_offset(*leaves)
+    assert_close(y, want, **TOLERANCES[torch.float32], what="y")
+    if requires_grad:
+        y.square().sum().backward()
+        want.square().sum().backward()
+        for got, leaf in zip((x32.grad, offset.grad, w.grad, b.grad), leaves):
+            assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
+
+
+def test_op_input_offset_checks_and_fake(ext):
+    """The kernels' op takes an (N, C) offset of x's dtype and device; its fake function checks the same."""
+    x = random_input((2, 8, 3, 4), torch.float32, "cpu")
+    offset = torch.randn(2, 8)
+    torch.testing.assert_close(OP(x, None, None, None, None, 4, 1e-5, "silu", offset)[0],
+                               OP(x + offset[:, :, None, None], None, None, None, None, 4, 1e-5, "silu")[0],
+                               rtol=0, atol=0)
+    for bad, error in ((offset[:, :, None, None], ValueError), (torch.randn(2, 5), ValueError),
+                       (offset.double(), TypeError)):
+        for inputs in ((x, bad), (x.to("meta"), bad.to("meta"))):
+            with pytest.raises(error, match="input_offset"):
+                OP(inputs[0], None, None, None, None, 4, 1e-5, "silu", inputs[1])
+
+
+def test_opcheck_input_offset(ext):
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    offset = torch.randn(2, 8).requires_grad_(True)
+    torch.library.opcheck(OP, (x, w, b, None, None, 4, 1e-5, "silu", offset))
+    torch.library.opcheck(OP, (x.detach(), None, None, None, None, 4, 1e-5, "gelu", offset.detach()))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_input_offset(dynamic, kernel_path_on_cpu):
+    """torch.compile(fullgraph=True) traces the offset through the dispatch, forward and backward."""
+    fn = lambda x, o, w: gn_patch.group_norm_act(x, 4, w, None, input_offset=o).square().sum()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for shape in [(2, 8, 4, 4), (3, 8, 6, 5)]:
+        x = random_input(shape, torch.float32, "cpu").requires_grad_(True)
+        o = torch.randn(shape[0], 8, 1, 1).requires_grad_(True)
+        w = affine(8)[0].requires_grad_(True)
+        compiled(x, o, w).backward()
+        got = [t.grad.clone() for t in (x, o, w)]
+        for t in (x, o, w):
+            t.grad = None
+        fn(x, o, w).backward()
+        for g, t in zip(got, (x, o, w)):
+            assert_close(g, t.grad, atol=1e-5, rtol=1e-5, what="grad")
+    with torch.no_grad():
+        assert_close(torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")(x, o, w), fn(x, o, w),
+                     atol=1e-4, rtol=1e-5, what="no_grad")

@@ -175,6 +175,82 @@ def test_per_sample_scale_shift(case, dtype, param_dtype):
     check_backward(*CASES[case], dtype, "silu", param_dtype=pd, modulated=True)
 
 
+def sample_offset(x, seed=3):
+    """A per-sample channel offset (N, C) of x's dtype, of the size of diffusers' timestep embeddings."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(x.shape[0], x.shape[1], generator=gen) * 2).to(x.dtype).to(x.device)
+
+
+def offset_view(offset, x):
+    return offset.view(*offset.shape, *([1] * (x.dim() - 2)))
+
+
+OFFSET_CASES = ["sd_resnet", "sd_resnet_large", "sd_mid", "vae_streaming", "many_images_streaming", "group_size_3",
+                "hw_1", "rank3_transposed", "rank5", "straddling_10", "straddling_30", "straddling_unclustered",
+                "wide_group_aten"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", OFFSET_CASES)
+def test_input_offset(case, dtype):
+    """act(GN(x + input_offset[n, c])) in every geometry: SiLU's kernels add the offset as they load x, the other
+    activations' get the sum from PyTorch's add. Either way the sum is x + offset rounded to x's dtype, so the
+    output is bitwise the op's output on that sum, and within tolerance of float64 on it."""
+    shape, groups = CASES[case]
+    x = random_input(shape, dtype, "cuda")
+    offset = sample_offset(x)
+    summed = x + offset_view(offset, x)
+    w, b = affine(shape[1], dtype)
+    for activation in ("silu", "gelu"):
+        poisoned(x)
+        y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, activation, offset)
+        assert y.stride() == x.stride() and y.dtype == dtype
+        for got, want in zip((y, mean, rstd), OP(summed, w, b, None, None, groups, 1e-5, activation)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{activation}: not the op on x + offset")
+        assert_close(y, reference(summed, groups, w, b, 1e-5, activation), **TOLERANCES[dtype], what=f"y {activation}")
+        sg = summed.double().reshape(shape[0], groups, -1)
+        assert_close(rstd, torch.rsqrt(sg.var(-1, unbiased=False) + 1e-5), atol=0, rtol=1e-4, what="rstd")
+    # A NaN and an inf in the offset reach their own (image, group) only, as in the sum.
+    offset[0, 1] = float("nan")
+    offset[-1, -1] = float("inf")
+    summed = x + offset_view(offset, x)
+    poisoned(x)
+    y = OP(x, w, b, None, None, groups, 1e-5, "silu", offset)[0]
+    torch.testing.assert_close(y, OP(summed, w, b, None, None, groups, 1e-5, "silu")[0], rtol=0, atol=0,
+                               equal_nan=True)
+    assert_same_nonfinite(y, reference(summed, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="nonfinite")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["sd_resnet", "sd_resnet_large", "straddling_10", "rank3_transposed"])
+def test_input_offset_gradients(case, dtype):
+    """Under autograd the offset (N, C, 1, ...) is PyTorch's add: x and the offset get dx of the sum and its sum over
+    the spatial positions, as for `F.silu(F.group_norm(x + offset))`; without autograd the kernels add it."""
+    shape, groups = CASES[case]
+    x = random_input(shape, dtype, "cuda").requires_grad_(True)
+    offset = sample_offset(x).requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(shape[1], dtype))
+    dy = random_input(shape, dtype, "cuda", scale=1.0, seed=5)
+    y = gn_patch.group_norm_act(x, groups, w, b, input_offset=offset_view(offset, x))
+    poisoned(x)
+    y.backward(dy)
+    summed = (x + offset_view(offset, x)).detach()
+    rdx, rdw, rdb = reference_grads(summed, groups, w, b, 1e-5, "silu", dy)
+    tol = TOLERANCES[dtype]
+    scale = rdx.abs().max().item()
+    assert_close(x.grad, rdx, atol=tol["atol"] * scale, rtol=tol["rtol"], what="dx")
+    spatial = x.numel() // (shape[0] * shape[1])
+    doffset = rdx.sum(list(range(2, x.dim()))) if x.dim() > 2 else rdx
+    assert_close(offset.grad, doffset, atol=tol["atol"] * doffset.abs().max().item() + 4e-6 * math.sqrt(spatial)
+                 * max(scale, 1.0), rtol=tol["rtol"], what="doffset")
+    for leaf, want, name in ((w, rdw, "dweight"), (b, rdb, "dbias")):
+        assert_close(leaf.grad, want, atol=tol["atol"] * want.abs().max().item() + 4e-6 * math.sqrt(shape[0] * spatial)
+                     * max(scale, 1.0), rtol=tol["rtol"], what=name)
+    with torch.no_grad():
+        fused = gn_patch.group_norm_act(x, groups, w, b, input_offset=offset_view(offset, x))
+    assert torch.equal(fused, y.detach())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["sd_resnet", "vae_rows", "odd_channels_scalar_path"])
 def test_float32_params_with_half_input(case, dtype):

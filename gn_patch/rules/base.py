@@ -220,9 +220,9 @@ class StockLayoutGroupNorm(FusedGroupNorm):
     ``.view`` included) sees what it saw before. Elsewhere (CPU, ...) GroupNormAct already returns PyTorch's result.
     """
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
-                shift: torch.Tensor | None = None) -> torch.Tensor:
-        y = super().forward(x, scale, shift)
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                input_offset: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x, scale, shift, input_offset)
         return y.contiguous() if y.is_cuda else y
 
 

@@ -13,7 +13,8 @@ block's own source with two edits, made on its syntax tree:
   GroupNormAct computes in the same order.
 * statements the rule lists as ``rewrites`` are replaced by ones that compute the same values with less memory
   traffic: a copy to the standard layout that keeps the channels-last layout instead, a division by an
-  ``output_scale_factor`` of 1.0 skipped (``unscaled``).
+  ``output_scale_factor`` of 1.0 skipped (``unscaled``), ``h = h + temb; h = self.norm2(h)`` made
+  ``h = self.norm2(h, input_offset=temb)`` (the kernels add the timestep embedding as they load h).
 
 Nothing else changes, and each edit must apply exactly as the rule declares, else the rule raises (a rule error
 the tests catch). The source is the one recorded with ``verified``: on other code the rule does not apply. The
@@ -227,9 +228,10 @@ class Fusion:
             concatenated, the wrapper returns: an activation after the wrapper can be fused into that norm.
         modulated_if: for a class whose forward modulates only in some configurations, whether an instance does
             (names the fusion ``+scale_shift`` in the report).
-        rewrites: statement source -> replacement computing the same values with less memory traffic: a copy of a
-            channels-last tensor to the standard layout (``x.contiguous()``, a reshape through an NCHW copy) that
-            keeps the layout the input came in, a division by a factor of 1.0 skipped (``unscaled``).
+        rewrites: statement source (one statement or several consecutive ones) -> replacement computing the same
+            values with less memory traffic: a copy of a channels-last tensor to the standard layout
+            (``x.contiguous()``, a reshape through an NCHW copy) that keeps the layout the input came in, a division
+            by a factor of 1.0 skipped (``unscaled``), an add before a norm made the norm's ``input_offset``.
     """
 
     cls: type
@@ -277,20 +279,26 @@ def _resolver(globals_: dict) -> Callable[[ast.AST], str]:
 
 
 def _replace_statements(function: ast.FunctionDef, spec: Fusion) -> None:
-    """Apply ``spec.rewrites``: each statement must occur exactly once."""
-    replacements = {ast.dump(ast.parse(old).body[0]): ast.parse(new).body[0] for old, new in spec.rewrites.items()}
-    found: list[str] = []
-    for node in ast.walk(function):
+    """Apply ``spec.rewrites``: each statement, or run of consecutive statements, must occur exactly once."""
+    rewrites = [([ast.dump(statement) for statement in ast.parse(old).body], ast.parse(new).body)
+                for old, new in spec.rewrites.items()]
+    found = [0] * len(rewrites)
+    for node in list(ast.walk(function)):  # the nodes of the source as read: replacements are not searched again
         for _, value in ast.iter_fields(node):
-            if isinstance(value, list):
-                for i, statement in enumerate(value):
-                    key = ast.dump(statement) if isinstance(statement, ast.stmt) else None
-                    if key in replacements:
-                        value[i] = replacements[key]
-                        found.append(key)
-    if sorted(found) != sorted(replacements):
-        raise RuleError(f"{spec.cls.__qualname__}.forward: {len(replacements)} statement(s) to rewrite once "
-                        f"each, found {len(found)}")
+            if not (isinstance(value, list) and value and isinstance(value[0], ast.stmt)):
+                continue
+            for k, (old, new) in enumerate(rewrites):
+                i = 0
+                while i + len(old) <= len(value):
+                    if [ast.dump(statement) for statement in value[i:i + len(old)]] == old:
+                        value[i:i + len(old)] = new
+                        found[k] += 1
+                        i += len(new)
+                    else:
+                        i += 1
+    if found != [1] * len(rewrites):
+        raise RuleError(f"{spec.cls.__qualname__}.forward: {len(rewrites)} statement(s) to rewrite once "
+                        f"each, found {found}")
 
 
 def unscaled(statement: str, factor: str = "self.output_scale_factor") -> dict[str, str]:

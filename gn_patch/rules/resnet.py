@@ -12,11 +12,17 @@ from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 
 # The residual sum's division by output_scale_factor, skipped where that is 1.0.
 RESIDUAL_SUM = unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor")
-# norm1 -> nonlinearity; norm2 (after the timestep shift, or with the timestep scale/shift of
+# The timestep embedding (N, C, 1, 1) added to hidden_states before norm2 becomes norm2's input_offset: the kernels
+# add it as they load hidden_states, which saves a pass over the block's tensor (a read and a write) and a launch.
+TEMB_OFFSET = {
+    "if temb is not None:\n    hidden_states = hidden_states + temb\nhidden_states = self.norm2(hidden_states)":
+        "hidden_states = self.norm2(hidden_states, input_offset=temb)",
+}
+# norm1 -> nonlinearity; norm2 (with the timestep shift as its input offset, or with the timestep scale/shift of
 # time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts on temb.
 fusion(ResnetBlock2D, "eda498bf0236feb0",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
-       modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites=RESIDUAL_SUM)
+       modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites={**RESIDUAL_SUM, **TEMB_OFFSET})
 # The 5-D blocks of Stable Video Diffusion.
 fusion(TemporalResnetBlock, "7c1ebea7613ebc9f",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"})

@@ -1,0 +1,99 @@
+"""A/B of the timestep add fused into ResnetBlock2D.norm2 (input_offset) against the add before it, in one process,
+for benchmarks/NOTES.md (exploratory; CUDA).
+
+Both variants run the same patched model: "fused" as patch_model leaves it, "add_first" with GroupNormAct.forward
+adding the offset with PyTorch first (what the surgeon did before). Alternating rounds of eager calls (CUDA events)
+and CUDA-graph replays; prints the medians and writes them as JSON::
+
+    python benchmarks/tools/ab_input_offset.py --json ab_input_offset.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import diffusers
+import torch
+
+from gn_patch import GroupNormAct, configs, patch_model
+from gn_patch.bench.models import animatediff_call, unet_call
+
+FUSED_FORWARD = GroupNormAct.forward
+
+
+def add_first_forward(self, x, scale=None, shift=None, input_offset=None):
+    if input_offset is not None:
+        x = x + input_offset
+    return FUSED_FORWARD(self, x, scale, shift)
+
+
+def timed(call, repeats: int) -> float:
+    """Median ms of `repeats` calls between CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_of(call):
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+VARIANTS = {"fused": FUSED_FORWARD, "add_first": add_first_forward}
+
+
+def measure(name: str, call, rounds: int, repeats: int) -> dict:
+    graphs, rows = {}, {variant: {"eager_ms": [], "graph_ms": []} for variant in VARIANTS}
+    with torch.no_grad():
+        for variant, forward in VARIANTS.items():
+            GroupNormAct.forward = forward
+            graphs[variant] = graph_of(call)
+        for _ in range(rounds):
+            for variant, forward in VARIANTS.items():
+                GroupNormAct.forward = forward
+                rows[variant]["eager_ms"].append(timed(call, repeats))
+                rows[variant]["graph_ms"].append(timed(graphs[variant].replay, repeats))
+    GroupNormAct.forward = FUSED_FORWARD
+    summary = {variant: {key: statistics.median(values) for key, values in row.items()}
+               for variant, row in rows.items()}
+    print(name, json.dumps(summary))
+    return {"model": name, **summary, "rounds": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    out = []
+    with torch.device("cuda"):
+        motion = diffusers.UNetMotionModel(**configs.ANIMATEDIFF_UNET).to(torch.float16).eval()
+    patch_model(motion, channels_last=True)
+    out.append(measure("animatediff_unet b2 16x64x64", animatediff_call(motion, 2, 16, 64), args.rounds, args.repeats))
+    del motion
+    with torch.device("cuda"):
+        unet = diffusers.UNet2DConditionModel(**configs.SD15_UNET).to(torch.float16).eval()
+    patch_model(unet, channels_last=True)
+    out.append(measure("sd15_unet b2 64x64", unet_call(unet, 2, 64, torch.float16, "cuda"), args.rounds, args.repeats))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

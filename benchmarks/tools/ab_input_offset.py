@@ -1,9 +1,9 @@
-"""A/B of conv1's bias and the timestep add fused into ResnetBlock2D.norm2 (input_offset) against both added before
-it, in one process, for benchmarks/NOTES.md (exploratory; CUDA).
+"""A/B of the timestep add fused into ResnetBlock2D.norm2 (input_offset) against the add before it, in one process,
+for benchmarks/NOTES.md (exploratory; CUDA).
 
-Both variants run the same patched model: "fused" as patch_model leaves it, "add_first" with conv1 called with its
-bias and GroupNormAct.forward adding the offset with PyTorch first (what the surgeon did before). Alternating rounds
-of eager calls (CUDA events) and CUDA-graph replays; prints the medians and writes them as JSON::
+Both variants run the same patched model: "fused" as patch_model leaves it, "add_first" with GroupNormAct.forward
+adding the offset with PyTorch first (what the surgeon did before). Alternating rounds of eager calls (CUDA events)
+and CUDA-graph replays; prints the medians and writes them as JSON::
 
     python benchmarks/tools/ab_input_offset.py --json ab_input_offset.json
 """
@@ -19,11 +19,8 @@ import torch
 
 from gn_patch import GroupNormAct, configs, patch_model
 from gn_patch.bench.models import animatediff_call, unet_call
-from gn_patch.rules import fusion
 
 FUSED_FORWARD = GroupNormAct.forward
-RESNET = fusion.fused_class(fusion.FUSIONS[diffusers.models.resnet.ResnetBlock2D])
-CONV_AND_BIAS = RESNET.conv_and_bias
 
 
 def add_first_forward(self, x, scale=None, shift=None, input_offset=None):
@@ -55,30 +52,21 @@ def graph_of(call):
     return graph
 
 
-def with_bias(conv, x, fold):
-    return conv(x), None
-
-
-VARIANTS = {"fused": (FUSED_FORWARD, CONV_AND_BIAS), "add_first": (add_first_forward, with_bias)}
-
-
-def use(variant: str) -> None:
-    GroupNormAct.forward, conv_and_bias = VARIANTS[variant]
-    RESNET.conv_and_bias = staticmethod(conv_and_bias)
+VARIANTS = {"fused": FUSED_FORWARD, "add_first": add_first_forward}
 
 
 def measure(name: str, call, rounds: int, repeats: int) -> dict:
     graphs, rows = {}, {variant: {"eager_ms": [], "graph_ms": []} for variant in VARIANTS}
     with torch.no_grad():
-        for variant in VARIANTS:
-            use(variant)
+        for variant, forward in VARIANTS.items():
+            GroupNormAct.forward = forward
             graphs[variant] = graph_of(call)
         for _ in range(rounds):
-            for variant in VARIANTS:
-                use(variant)
+            for variant, forward in VARIANTS.items():
+                GroupNormAct.forward = forward
                 rows[variant]["eager_ms"].append(timed(call, repeats))
                 rows[variant]["graph_ms"].append(timed(graphs[variant].replay, repeats))
-    use("fused")
+    GroupNormAct.forward = FUSED_FORWARD
     summary = {variant: {key: statistics.median(values) for key, values in row.items()}
                for variant, row in rows.items()}
     print(name, json.dumps(summary))

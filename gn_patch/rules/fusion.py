@@ -232,7 +232,6 @@ class Fusion:
             values with less memory traffic: a copy of a channels-last tensor to the standard layout
             (``x.contiguous()``, a reshape through an NCHW copy) that keeps the layout the input came in, a division
             by a factor of 1.0 skipped (``unscaled``), an add before a norm made the norm's ``input_offset``.
-        helpers: functions the rewritten statements call as ``self.<name>(...)``: static methods of the fused class.
     """
 
     cls: type
@@ -242,7 +241,6 @@ class Fusion:
     output: str | None = None
     modulated_if: Callable[[nn.Module], bool] | None = None
     rewrites: dict[str, str] = field(default_factory=dict)
-    helpers: dict[str, Callable] = field(default_factory=dict)
     fused_cls: type | None = None  # generated on first use (only when the forward is edited)
 
     @property
@@ -363,7 +361,6 @@ def fused_class(spec: Fusion) -> type:
     if spec.fused_cls is None:
         name = next(n for n, other in _BY_FUSED_NAME.items() if other is spec)
         namespace = {"__module__": __name__, "__qualname__": name, "forward": _generate_forward(spec),
-                     **{helper: staticmethod(function) for helper, function in spec.helpers.items()},
                      "__doc__": f"{spec.cls.__name__} whose GroupNorms apply what follows them (gn_patch)."}
         spec.fused_cls = stands_in_for(spec.cls)(type(name, (spec.cls,), namespace))
         RULES[spec.fused_cls] = RULES[spec.cls]
@@ -499,11 +496,10 @@ def _handler(spec: Fusion) -> Callable[[Surgery, str, nn.Module], None]:
 
 def fusion(cls: type, digest: str, *, activations: dict[str, str] | None = None, modulated=(), alone=(),
            output: str | None = None, modulated_if: Callable[[nn.Module], bool] | None = None,
-           rewrites: dict[str, str] | None = None, helpers: dict[str, Callable] | None = None) -> Fusion:
+           rewrites: dict[str, str] | None = None) -> Fusion:
     """Declare how ``cls``'s forward, read as it is with source ``digest``, uses its GroupNorms; registers the
     rule. See :class:`Fusion` for the arguments."""
-    spec = Fusion(cls, dict(activations or {}), set(modulated), set(alone), output, modulated_if, dict(rewrites or {}),
-                  dict(helpers or {}))
+    spec = Fusion(cls, dict(activations or {}), set(modulated), set(alone), output, modulated_if, dict(rewrites or {}))
     verified(cls.forward, digest)
     FUSIONS[cls] = spec
     name = f"_Fused{cls.__name__}"

@@ -121,7 +121,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   const at::Tensor x = kernel_layout(input, num_groups);
   at::Tensor y = at::empty_like(x);
   const auto weight_d = dense(weight), bias_d = dense(bias), scale_d = dense(scale), shift_d = dense(shift);
-  const auto offset_d = dense(input_offset);
+  // The offset's (N, C) values from a 16-byte aligned start: at the vector width x's rows allow (an offset sliced at
+  // an odd element would narrow every access of the tensor to its alignment).
+  const auto offset_d = input_offset.has_value() && common_alignment({input_offset->const_data_ptr()}) < 16
+                            ? std::optional<at::Tensor>(input_offset->clone(at::MemoryFormat::Contiguous))
+                            : dense(input_offset);
   ForwardArgs a;
   a.geo = geometry(Pass::kForward, x, num_groups, act,
                    {x.const_data_ptr(), y.const_data_ptr(), data_or_null(offset_d)});

@@ -7,8 +7,8 @@ compiled extension, csrc/, loaded on first use by gn_patch.extension):
   (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last inputs through a channels-last copy); CPU:
   the reference implementation (same formulas, float32 statistics).
 * ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
-* ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset=None)
-  -> y``: what
+* ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift,
+  input_offset=None) -> y``: what
   :func:`group_norm_act` and ``GroupNormAct.forward`` call, once per call: it sends what the kernels take
   (channels-last CUDA inputs) to ``group_norm_act`` and computes everything else exactly as PyTorch's
   ``x + input_offset``, ``F.group_norm``, ``* (1 + scale) + shift`` and the activation do, in C++.
@@ -362,6 +362,8 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
                     input_offset=None) -> torch.Tensor:
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
+    if input_offset is not None and not isinstance(input_offset, torch.Tensor):
+        x, input_offset = x + input_offset, None  # a Python number, as `hidden_states + temb` takes it
     if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
@@ -388,12 +390,12 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
         scale, shift: optional per-sample modulation of shape (N, C) or (N, C, 1, ...), e.g. the timestep
             embedding of diffusers' ``time_embedding_norm="scale_shift"`` blocks and ``AdaGroupNorm``; x's dtype or
             float32.
-        input_offset: optional tensor added to x before the normalisation, as ``x + input_offset`` (diffusers'
-            resnet blocks add their timestep embedding, shape (N, C, 1, 1), before norm2). The kernels add a
-            per-sample offset of shape (N, C, 1, ...) (x's rank) and x's dtype as they load x, rounded to x's dtype
-            as PyTorch's add rounds, without writing the sum to memory (inference; under autograd, and with
-            activations other than silu, the sum is PyTorch's add); any other shape or dtype broadcasts and
-            promotes as PyTorch's add does.
+        input_offset: optional tensor (or number) added to x before the normalisation, as ``x + input_offset``
+            (diffusers' resnet blocks add their timestep embedding, shape (N, C, 1, 1), before norm2). The kernels
+            add a per-sample offset of shape (N, C, 1, ...) (x's rank) and x's dtype as they load x, rounded to x's
+            dtype as PyTorch's add rounds, without writing the sum to memory (inference; under autograd, and with
+            activations other than silu, the sum is PyTorch's add); any other shape, dtype or a number broadcasts
+            and promotes as PyTorch's add does.
 
     Returns:
         y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32). The kernels return
@@ -409,16 +411,16 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
         RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,) (messages as
             torch.nn.GroupNorm's), weight on another device than x; input_offset not broadcastable to x (PyTorch's
             add's message).
-        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale, shift or input_offset neither
-            a tensor nor None; num_groups not an int; eps not a number.
+        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale or shift neither a tensor nor
+            None; input_offset neither a tensor, a number nor None (PyTorch's add's message); num_groups not an
+            int; eps not a number.
         ValueError: num_groups <= 0; eps negative, infinite or NaN; unknown activation; scale/shift of the wrong
             shape.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     num_groups, eps = check_num_groups(num_groups), check_eps(eps)
-    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
-                    ("input_offset", input_offset)):
+    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,

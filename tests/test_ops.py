@@ -561,8 +561,10 @@ def test_pytorch_path_input_offset_promotes_and_raises_as_add(host_path):
     for bad in (torch.randn(2, 5, 1, 1), torch.randn(2, 8)):  # (N, C) broadcasts against the last dims, as in add
         with pytest.raises(RuntimeError, match="must match the size"):
             gn_patch.group_norm_act(x, 4, input_offset=bad)
-    with pytest.raises(TypeError, match="input_offset must be a tensor or None"):
-        gn_patch.group_norm_act(x, 4, input_offset=1.0)
+    torch.testing.assert_close(gn_patch.group_norm_act(x, 4, input_offset=1.5),
+                               _stock_with_offset(x, 1.5, None, None), rtol=0, atol=0)  # a number, as x + 1.5
+    with pytest.raises(TypeError):
+        gn_patch.group_norm_act(x, 4, input_offset="1")
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])

@@ -221,6 +221,22 @@ def test_input_offset(case, dtype):
     assert_same_nonfinite(y, reference(summed, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="nonfinite")
 
 
+@pytest.mark.parametrize("case,shape,groups", [("group_512_channels", (1, 512, 16, 16), 1),
+                                               ("sd_resnet_large", *CASES["sd_resnet_large"]),
+                                               ("straddling_10", *CASES["straddling_10"])])
+def test_input_offset_unaligned(case, shape, groups):
+    """An offset whose data starts one element past a 16-byte boundary (a slice): the kernels read it from an
+    aligned copy, so x keeps its vector width (a narrowed width put 512 scalar accesses in a block of 256 threads)."""
+    x = random_input(shape, torch.float16, "cuda")
+    buffer = torch.empty(shape[0] * shape[1] + 1, dtype=torch.float16, device="cuda")
+    buffer[1:].copy_(sample_offset(x).flatten())
+    offset = buffer[1:].view(shape[0], shape[1])
+    poisoned(x)
+    y = OP(x, None, None, None, None, groups, 1e-5, "silu", offset)[0]
+    torch.testing.assert_close(y, OP(x + offset_view(offset, x), None, None, None, None, groups, 1e-5, "silu")[0],
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["sd_resnet", "sd_resnet_large", "straddling_10", "rank3_transposed"])
 def test_input_offset_gradients(case, dtype):

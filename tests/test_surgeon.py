@@ -81,6 +81,14 @@ def test_resnet_block_2d(case):
     assert report.skipped == [] and report.alone == []
 
 
+@pytest.mark.parametrize("temb", [0.5, 2, torch.tensor(0.25)])
+def test_resnet_block_2d_number_temb(temb, host_path):
+    """A block without time_emb_proj adds temb as it is given, a Python number or a 0-dim tensor too
+    (`hidden_states + temb`): patched, norm2 takes it as its input offset, with stock's values."""
+    block = make_resnet(temb_channels=None)
+    patched_matches(block, lambda m: m(randn(2, 32, 8, 8), temb))
+
+
 def test_resnet_block_2d_upsample_large_batch():
     """Batches of 64+ take diffusers' contiguous() detour before upsampling."""
     block = make_resnet(up=True)

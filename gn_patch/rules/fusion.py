@@ -283,7 +283,7 @@ def _replace_statements(function: ast.FunctionDef, spec: Fusion) -> None:
     rewrites = [([ast.dump(statement) for statement in ast.parse(old).body], ast.parse(new).body)
                 for old, new in spec.rewrites.items()]
     found = [0] * len(rewrites)
-    for node in list(ast.walk(function)):  # the nodes of the source as read: replacements are not searched again
+    for node in list(ast.walk(function)):  # the nodes of the source as read
         for _, value in ast.iter_fields(node):
             if not (isinstance(value, list) and value and isinstance(value[0], ast.stmt)):
                 continue
@@ -297,8 +297,8 @@ def _replace_statements(function: ast.FunctionDef, spec: Fusion) -> None:
                     else:
                         i += 1
     if found != [1] * len(rewrites):
-        raise RuleError(f"{spec.cls.__qualname__}.forward: {len(rewrites)} statement(s) to rewrite once "
-                        f"each, found {found}")
+        raise RuleError(f"{spec.cls.__qualname__}.forward: {len(rewrites)} statements or runs of statements to "
+                        f"rewrite once each, found them {found} times")
 
 
 def unscaled(statement: str, factor: str = "self.output_scale_factor") -> dict[str, str]:

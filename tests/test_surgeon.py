@@ -89,6 +89,51 @@ def test_resnet_block_2d_number_temb(temb, host_path):
     patched_matches(block, lambda m: m(randn(2, 32, 8, 8), temb))
 
 
+@pytest.mark.parametrize("when", ["before_patching", "after_patching", "global"])
+def test_resnet_block_norm2_pre_hooks_see_the_timestep_sum(when, host_path):
+    """norm2's forward pre-hooks (its own, registered before or after patching, or global ones) see
+    hidden_states + temb, as in stock, and what they return is normalised: the block keeps the add for them."""
+    block = make_resnet()
+    patched = copy.deepcopy(block)
+    seen = {"stock": [], "patched": []}
+
+    def hook(key):
+        def record(module, args):
+            if isinstance(module, nn.GroupNorm):
+                seen[key].append(args[0].clone())
+                return (args[0] * 2,)
+            return None
+        return record
+
+    x, temb = randn(2, 32, 8, 8), randn(2, 16, seed=1)
+    if when == "global":
+        patch_model(patched)
+        handles = []
+        try:
+            for key, model in (("stock", block), ("patched", patched)):
+                handles.append(torch.nn.modules.module.register_module_forward_pre_hook(hook(key)))
+                with torch.no_grad():
+                    outputs = model(x, temb)
+                handles.pop().remove()
+                seen[key + "_out"] = outputs
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert_same_outputs(seen["patched_out"], seen["stock_out"], 1e-5)
+    else:
+        block.norm2.register_forward_pre_hook(hook("stock"))
+        if when == "before_patching":
+            patched.norm2.register_forward_pre_hook(hook("patched"))
+        patch_model(patched)
+        if when == "after_patching":
+            patched.norm2.register_forward_pre_hook(hook("patched"))
+        with torch.no_grad():
+            assert_same_outputs(patched(x, temb), block(x, temb), 1e-5)
+    assert len(seen["patched"]) == len(seen["stock"]) > 0
+    for got, want in zip(seen["patched"], seen["stock"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_resnet_block_2d_upsample_large_batch():
     """Batches of 64+ take diffusers' contiguous() detour before upsampling."""
     block = make_resnet(up=True)

@@ -14,9 +14,16 @@ from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 RESIDUAL_SUM = unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor")
 # The timestep embedding (N, C, 1, 1) added to hidden_states before norm2 becomes norm2's input_offset: the kernels
 # add it as they load hidden_states, which saves a pass over the block's tensor (a read and a write) and a launch.
+# Where norm2 has forward pre-hooks (its own or global ones, registered before or after patching) they see the
+# sum, as in stock: the add stays.
 TEMB_OFFSET = {
     "if temb is not None:\n    hidden_states = hidden_states + temb\nhidden_states = self.norm2(hidden_states)":
-        "hidden_states = self.norm2(hidden_states, input_offset=temb)",
+        "if temb is not None and (self.norm2._forward_pre_hooks or "
+        "torch.nn.modules.module._global_forward_pre_hooks):\n"
+        "    hidden_states = hidden_states + temb\n"
+        "    hidden_states = self.norm2(hidden_states)\n"
+        "else:\n"
+        "    hidden_states = self.norm2(hidden_states, input_offset=temb)",
 }
 # norm1 -> nonlinearity; norm2 (with the timestep shift as its input offset, or with the timestep scale/shift of
 # time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts on temb.

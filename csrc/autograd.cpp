@@ -31,7 +31,8 @@ const auto& forward_op() {
           .findSchemaOrThrow("gn_patch::group_norm_act", "")
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const OptTensor&,
                                                                 const OptTensor&, const OptTensor&, int64_t, double,
-                                                                c10::string_view, const OptTensor&)>();
+                                                                c10::string_view, const OptTensor&,
+                                                                const OptTensor&)>();
   return op;
 }
 
@@ -63,17 +64,6 @@ OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* nam
   shape[0] = N;
   shape[1] = C;
   return t->reshape_symint(shape);
-}
-
-// The forward op's input_offset, (N, C) of x's dtype (check_input_offset's conditions, on symbolic sizes), as a view
-// that broadcasts against x.
-at::Tensor offset_view(const at::Tensor& offset, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(offset.dim() == 2, "gn_patch: input_offset must have shape (N, C), got " +
-                                           shape_str(offset.sym_sizes()));
-  TORCH_CHECK_TYPE(offset.scalar_type() == x.scalar_type(), "gn_patch: input_offset must have the input's dtype (" +
-                                                                dtype_str(x.scalar_type()) + "), got " +
-                                                                dtype_str(offset.scalar_type()));
-  return *broadcastable(offset, x, "input_offset");
 }
 
 OptTensor per_sample(const OptTensor& t) {
@@ -128,7 +118,8 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
                                const OptTensor& bias, const OptTensor& scale, const OptTensor& shift,
                                int64_t num_groups, double eps, c10::string_view activation) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, mean, rstd] = forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, std::nullopt);
+    auto [y, mean, rstd] =
+        forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, std::nullopt, std::nullopt);
     // Only the tensors given are saved (undefined entries did not survive AOT tracing's saved-tensor handling);
     // the mask records which.
     variable_list saved = {x, mean, rstd};
@@ -201,10 +192,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                                                                        const OptTensor& bias, const OptTensor& scale,
                                                                        const OptTensor& shift, int64_t num_groups,
                                                                        double eps, c10::string_view activation,
-                                                                       const OptTensor& input_offset) {
+                                                                       const OptTensor& input_offset,
+                                                                       const OptTensor& input_bias) {
   // Nothing to record (no_grad, as diffusers' pipelines run, or no input needing a gradient): the op runs below
   // autograd without the Function's node and saved state. Forward-mode AD keeps the Function, which refuses it.
-  const std::array<const OptTensor*, 5> params = {&weight, &bias, &scale, &shift, &input_offset};
+  const std::array<const OptTensor*, 6> params = {&weight, &bias, &scale, &shift, &input_offset, &input_bias};
   const bool needs_grad = at::GradMode::is_enabled() &&
                           (x.requires_grad() || std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
                              return p->has_value() && (*p)->requires_grad();
@@ -216,13 +208,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                                           }));
   if (!needs_grad && !forward_ad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset);
+    return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias);
   }
-  if (input_offset.has_value()) {
-    // Recorded as PyTorch's add, whose backward sums the gradient over the spatial positions: the fused backward
-    // then sees the sum as its input. A training step pays the add's pass as stock does; inference does not.
-    return group_norm_act_autograd(at::add(x, offset_view(*input_offset, x)), weight, bias, scale, shift, num_groups,
-                                   eps, activation, std::nullopt);
+  if (input_offset.has_value() || input_bias.has_value()) {
+    // Recorded as PyTorch's adds, whose backward sums the gradient over the positions each term broadcasts over: the
+    // fused backward then sees the sum as its input. A training step pays the adds' passes as stock does; inference
+    // does not.
+    check_input_terms(x, input_offset, input_bias);
+    return group_norm_act_autograd(with_input_terms(x, input_offset, input_bias), weight, bias, scale, shift,
+                                   num_groups, eps, activation, std::nullopt, std::nullopt);
   }
   const variable_list out = GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation);
   return {out[0], out[1], out[2]};
@@ -283,10 +277,12 @@ bool kernel_covers(const at::Tensor& x, int64_t num_groups, const OptTensor& wei
   return channels_last_dense(x);
 }
 
-// input_offset as the kernels add it: (N, C, 1, ...) of x's rank, dtype and device (a per-sample channel vector that
-// `x + input_offset` broadcasts over the spatial positions), seen by no torch.func transform.
-bool offset_fusable(const at::Tensor& t, const at::Tensor& x) {
+// input_offset as the kernels add it, (N, C, 1, ...) of x's rank (a per-sample channel vector that `x + input_offset`
+// broadcasts over the spatial positions), or input_bias, (C,): x's dtype and device, seen by no torch.func transform.
+bool term_fusable(const at::Tensor& t, const at::Tensor& x, bool per_sample) {
+  if (x.dim() < 2) return false;  // the checks after the adds report it
   if (t.scalar_type() != x.scalar_type() || t.device() != x.device() || transformed(t)) return false;
+  if (!per_sample) return t.dim() == 1 && holds(t.sym_size(0).sym_eq(x.sym_size(1)));
   if (t.dim() != x.dim()) return false;
   bool ok = holds(t.sym_size(0).sym_eq(x.sym_size(0))) && holds(t.sym_size(1).sym_eq(x.sym_size(1)));
   for (int64_t d = 2; ok && d < t.dim(); ++d) ok = holds(t.sym_size(d).sym_eq(1));
@@ -295,11 +291,23 @@ bool offset_fusable(const at::Tensor& t, const at::Tensor& x) {
 
 at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, const OptTensor& weight,
                                    const OptTensor& bias, double eps, c10::string_view activation,
-                                   const OptTensor& scale, const OptTensor& shift, const OptTensor& input_offset) {
-  // An offset the kernels do not add (another shape, dtype or device: broadcasting and type promotion) is added as
-  // `x + input_offset` is in PyTorch, errors included.
-  if (input_offset.has_value() && !offset_fusable(*input_offset, x)) {
-    return group_norm_act_dispatch(at::add(x, *input_offset), num_groups, weight, bias, eps, activation, scale, shift,
+                                   const OptTensor& scale, const OptTensor& shift, const OptTensor& input_offset,
+                                   const OptTensor& input_bias) {
+  // Terms the kernels do not add (another dtype or device, an offset of another shape: broadcasting and type
+  // promotion) are added as `(x + input_bias) + input_offset` is in PyTorch, errors included; both, to keep the order.
+  if ((input_offset.has_value() && !term_fusable(*input_offset, x, /*per_sample=*/true)) ||
+      (input_bias.has_value() && !term_fusable(*input_bias, x, /*per_sample=*/false))) {
+    at::Tensor sum = x;
+    if (input_bias.has_value()) {
+      TORCH_CHECK_VALUE(input_bias->dim() == 1 && x.dim() >= 2 && holds(input_bias->sym_size(0).sym_eq(x.sym_size(1))),
+                        "gn_patch.group_norm_act: input_bias must have shape (C,) for input of shape " +
+                            shape_str(x.sym_sizes()) + "; got " + shape_str(input_bias->sym_sizes()));
+      std::vector<c10::SymInt> shape(x.dim(), 1);
+      shape[1] = x.sym_size(1);
+      sum = at::add(sum, input_bias->view_symint(shape));
+    }
+    if (input_offset.has_value()) sum = at::add(sum, *input_offset);
+    return group_norm_act_dispatch(sum, num_groups, weight, bias, eps, activation, scale, shift, std::nullopt,
                                    std::nullopt);
   }
   const Act act = parse_activation(activation);
@@ -311,10 +319,10 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   check_values_per_group(x, num_groups);
   if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
     return std::get<0>(forward_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps,
-                                         activation, per_sample(input_offset)));
+                                         activation, per_sample(input_offset), input_bias));
   }
-  const at::Tensor x_in = input_offset.has_value() ? at::add(x, *broadcastable(input_offset, x, "input_offset")) : x;
-  return pytorch_path(x_in, num_groups, weight, bias, eps, act, scale_b, shift_b);
+  return pytorch_path(with_input_terms(x, per_sample(input_offset), input_bias), num_groups, weight, bias, eps, act,
+                      scale_b, shift_b);
 }
 
 }  // namespace

@@ -14,8 +14,9 @@
 // in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
 // Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a
 // multiple of 8) run the same kernels instantiated with Straddle: each thread keeps both groups' statistics apart.
-// With an input offset (ForwardArgs::input_offset, diffusers' `hidden_states + temb` before a resnet block's norm2)
-// the kernels instantiated with Offset add it to every row they load: the sum is never written to memory.
+// With an input bias or offset (ForwardArgs::input_bias, input_offset: diffusers' `conv1(x) + temb` before a resnet
+// block's norm2, the convolution run without its bias) the kernels instantiated with Offset add them to every row
+// they load: the sums are never written to memory.
 
 #include "launch.cuh"
 #include "reduce.cuh"
@@ -31,24 +32,34 @@ __device__ __forceinline__ Welford sums_to_welford(float ref, float s1, float s2
   return Welford{ref, mean, m2 < 0.f ? 0.f : m2, count};  // a select, not fmaxf: NaN propagates
 }
 
-// ForwardArgs::input_offset[n, c0 .. c0 + V) added to the rows a thread loads (Enabled), or nothing. A thread's
-// channels are the same in every row it visits: one load of V offsets per thread.
+// ForwardArgs::input_bias[c0 .. c0 + V), then ForwardArgs::input_offset[n, c0 .. c0 + V), each where given, added to
+// the rows a thread loads (Enabled), or nothing. Two rounded adds in this order: stock's `(conv(x) + conv.bias) +
+// temb`, each add rounded to T as PyTorch's. A thread's channels are the same in every row it visits; the terms are
+// loaded again for each batch of rows (from L1) rather than held: two packs more per thread spilled the resident
+// rows of the 16-byte kernels (52-56 bytes).
 template <typename T, int V, bool Enabled>
 struct RowOffset {
-  Pack<T, V> pack{};
+  const ForwardArgs& a;
+  const BlockCoord& b;
 
-  __device__ __forceinline__ RowOffset(const ForwardArgs& a, const BlockCoord& b) {
-    if constexpr (Enabled) {
-      if (b.active) pack = load_pack<T, V>(static_cast<const T*>(a.input_offset) + b.n * a.geo.C + b.c0);
-    }
-  }
+  __device__ __forceinline__ RowOffset(const ForwardArgs& args, const BlockCoord& coord) : a(args), b(coord) {}
 
   template <int U>
   __device__ __forceinline__ void add_to(Pack<T, V> (&packs)[U]) const {
     if constexpr (Enabled) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) packs[u] = add_packs(packs[u], pack);
+      if (!b.active) return;  // its channels may lie past C
+      if (a.input_bias != nullptr) add_each(packs, load_pack<T, V>(static_cast<const T*>(a.input_bias) + b.c0));
+      if (a.input_offset != nullptr) {
+        add_each(packs, load_pack<T, V>(static_cast<const T*>(a.input_offset) + b.n * a.geo.C + b.c0));
+      }
     }
+  }
+
+ private:
+  template <int U>
+  __device__ __forceinline__ static void add_each(Pack<T, V> (&packs)[U], const Pack<T, V>& term) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) packs[u] = add_packs(packs[u], term);
   }
 };
 
@@ -419,7 +430,7 @@ template <typename T, int V, Act A>
 struct ForwardKernels {
   static void fn(const ForwardArgs& a, cudaStream_t stream) {
     if constexpr (fuses_input_offset(A)) {
-      if (a.input_offset != nullptr) return launch_forward_layout<T, V, A, true>(a, stream);
+      if (a.input_offset != nullptr || a.input_bias != nullptr) return launch_forward_layout<T, V, A, true>(a, stream);
     }
     launch_forward_layout<T, V, A, false>(a, stream);
   }
@@ -454,8 +465,8 @@ void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
   // As in launch_backward: straddling kernels exist for the 16-byte vectors of 16-bit types only.
   TORCH_CHECK(!a.geo.straddle || (a.dtype != ScalarKind::kFloat && a.geo.vec == 8),
               "gn_patch: straddling geometry for vectors without straddling kernels");
-  TORCH_CHECK(a.input_offset == nullptr || fuses_input_offset(a.act),
-              "gn_patch: an input offset for an activation whose kernels do not add it");
+  TORCH_CHECK((a.input_offset == nullptr && a.input_bias == nullptr) || fuses_input_offset(a.act),
+              "gn_patch: an input offset or bias for an activation whose kernels do not add it");
   dispatch<ForwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
 }
 

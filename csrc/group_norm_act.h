@@ -19,8 +19,8 @@ enum class ScalarKind : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 // The activation applied after the normalisation; a compile-time template parameter of every kernel.
 enum class Act : int { kIdentity = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3, kRelu = 4, kMish = 5 };
 
-// Activations whose forward kernels take ForwardArgs::input_offset themselves: SiLU, what diffusers' resnet blocks
-// apply after `hidden_states + temb` and norm2. For the others the op adds the offset with PyTorch first (the
+// Activations whose forward kernels take ForwardArgs::input_bias and input_offset themselves: SiLU, what diffusers'
+// resnet blocks apply after `conv1(x) + temb` and norm2. For the others the op adds them with PyTorch first (the
 // kernels are instantiated per activation; one more set for each would add a sixth of the forward's build time
 // each, for no block that uses them).
 constexpr bool fuses_input_offset(Act act) { return act == Act::kSilu; }
@@ -164,8 +164,9 @@ struct ForwardArgs {
   const void* bias;    // (C,) or nullptr: all zeros
   const void* scale;   // (N, C) or nullptr: y = act(GN(x) * (1 + scale) + shift)
   const void* shift;   // (N, C) or nullptr
-  // (N, C) in x's dtype, or nullptr: x + input_offset (rounded to x's dtype, as PyTorch's add) is what is
-  // normalised; only for activations with fuses_input_offset.
+  // (C,) and (N, C) in x's dtype, or nullptr: (x + input_bias) + input_offset, each add rounded to x's dtype as
+  // PyTorch's, is what is normalised; only for activations with fuses_input_offset.
+  const void* input_bias;
   const void* input_offset;
   bool params_fp32;    // weight/bias are float32 (else the input's dtype)
   bool modulation_fp32;  // scale/shift are float32 (else the input's dtype)

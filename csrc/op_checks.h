@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 
 #include <cctype>
@@ -167,27 +168,43 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
   }
 }
 
-// The forward op's input_offset: (N, C), x's dtype and device (the dispatching op adds any other offset with
-// PyTorch first).
-inline void check_input_offset(const at::Tensor& x, const std::optional<at::Tensor>& input_offset) {
-  if (!input_offset.has_value()) return;
-  const at::Tensor& t = *input_offset;
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == x.size(0) && t.size(1) == x.size(1),
-                    "gn_patch: input_offset must have shape (N, C) = (" + std::to_string(x.size(0)) + ", " +
-                        std::to_string(x.size(1)) + "), got " + shape_str(t.sizes()));
-  TORCH_CHECK(t.device() == x.device(), "Expected all tensors to be on the same device, but found input on " +
-                                            x.device().str() + " and input_offset on " + t.device().str());
-  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), "gn_patch: input_offset must have the input's dtype (" +
-                                                           dtype_str(x.scalar_type()) + "), got " +
-                                                           dtype_str(t.scalar_type()));
+// Sizes may be symbolic here (the autograd kernel runs on fake tensors under torch.compile): a comparison guards
+// on the value it needs.
+inline bool sym_equal(const c10::SymInt& a, const c10::SymInt& b) { return a.sym_eq(b).guard_bool(__FILE__, __LINE__); }
+
+// The forward op's input terms, added to x before the normalisation: input_offset (N, C) and input_bias (C,), x's
+// dtype and device (the dispatching op adds any other with PyTorch's add first).
+inline void check_input_terms(const at::Tensor& x, const std::optional<at::Tensor>& input_offset,
+                              const std::optional<at::Tensor>& input_bias) {
+  for (const auto* p : {&input_offset, &input_bias}) {
+    if (!p->has_value()) continue;
+    const at::Tensor& t = **p;
+    const bool offset = p == &input_offset;
+    const std::string name = offset ? "input_offset" : "input_bias";
+    const bool shape_ok = offset ? t.dim() == 2 && sym_equal(t.sym_size(0), x.sym_size(0)) &&
+                                       sym_equal(t.sym_size(1), x.sym_size(1))
+                                 : t.dim() == 1 && sym_equal(t.sym_size(0), x.sym_size(1));
+    TORCH_CHECK_VALUE(shape_ok, "gn_patch: " + name + " must have shape " +
+                                    (offset ? "(N, C) = " + shape_str(x.sym_sizes().slice(0, 2))
+                                            : "(C,) = " + shape_str(x.sym_sizes().slice(1, 1))) +
+                                    ", got " + shape_str(t.sym_sizes()));
+    TORCH_CHECK(t.device() == x.device(), "Expected all tensors to be on the same device, but found input on " +
+                                              x.device().str() + " and " + name + " on " + t.device().str());
+    TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), "gn_patch: " + name + " must have the input's dtype (" +
+                                                             dtype_str(x.scalar_type()) + "), got " +
+                                                             dtype_str(t.scalar_type()));
+  }
 }
 
-// A per-sample (N, C) tensor as a view that broadcasts against x: (N, C, 1, ..., 1) with x's rank.
-inline at::Tensor sample_view(const at::Tensor& t, const at::Tensor& x) {
-  std::vector<int64_t> shape(x.dim(), 1);
-  shape[0] = x.size(0);
-  shape[1] = x.size(1);
-  return t.view(shape);
+// (x + input_bias) + input_offset with PyTorch's adds, each rounded to x's dtype: what the kernels normalise when
+// they add the terms themselves (check_input_terms' shapes, viewed to broadcast against x).
+inline at::Tensor with_input_terms(const at::Tensor& x, const std::optional<at::Tensor>& input_offset,
+                                   const std::optional<at::Tensor>& input_bias) {
+  std::vector<c10::SymInt> shape(x.dim(), 1);
+  shape[1] = x.sym_size(1);
+  at::Tensor sum = input_bias.has_value() ? at::add(x, input_bias->view_symint(shape)) : x;
+  shape[0] = x.sym_size(0);
+  return input_offset.has_value() ? at::add(sum, input_offset->view_symint(shape)) : sum;
 }
 
 inline void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,

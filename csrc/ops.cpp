@@ -94,23 +94,33 @@ at::Tensor kernel_layout(const at::Tensor& x, int64_t num_groups) {
   return is_channels_last_dense(x) && !narrow ? x : channels_last_copy(x);
 }
 
+// An input bias or offset as the kernels read it: dense, from a 16-byte aligned start, at the vector width x's rows
+// allow (a tensor sliced at an odd element would narrow every access of x to its alignment).
+std::optional<at::Tensor> aligned(const std::optional<at::Tensor>& t) {
+  if (t.has_value() && common_alignment({t->const_data_ptr()}) < 16) return t->clone(at::MemoryFormat::Contiguous);
+  return dense(t);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
-    c10::string_view activation, const std::optional<at::Tensor>& input_offset) {
+    c10::string_view activation, const std::optional<at::Tensor>& input_offset,
+    const std::optional<at::Tensor>& input_bias) {
   check_inputs(input, weight, bias, scale, shift, num_groups);
-  check_input_offset(input, input_offset);
+  check_input_terms(input, input_offset, input_bias);
   check_eps(eps);
   const Act act = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t N = input.size(0);
   const bool supported = kernel_supports_group_size(input.size(1) / num_groups, (int)input.element_size());
-  if (input_offset.has_value() && N > 0 && !(supported && fuses_input_offset(act))) {
-    // Kernels that do not add the offset: x + offset with PyTorch's add (the kernels' rounding), y in x's layout.
-    auto [y, mean, rstd] = group_norm_act_cuda(at::add(input, sample_view(*input_offset, input)), weight, bias,
-                                               scale, shift, num_groups, eps, activation, std::nullopt);
-    at::Tensor out = at::empty_like(input);
-    return {out.strides() == y.strides() ? y : out.copy_(y), mean, rstd};
+  const bool adds = input_offset.has_value() || input_bias.has_value();
+  if (adds && N > 0 && !(supported && fuses_input_offset(act))) {
+    // Kernels that do not add them: (x + bias) + offset with PyTorch's adds (the kernels' rounding), y in x's layout
+    // (as empty_like(input) would have it: input's strides where it is dense).
+    auto [y, mean, rstd] = group_norm_act_cuda(with_input_terms(input, input_offset, input_bias), weight, bias, scale,
+                                               shift, num_groups, eps, activation, std::nullopt, std::nullopt);
+    const bool same_layout = input.is_non_overlapping_and_dense() && y.strides() == input.strides();
+    return {same_layout ? y : at::empty_like(input).copy_(y), mean, rstd};
   }
   const auto stat_opts = input.options().dtype(at::kFloat);
   at::Tensor mean = at::empty({N, num_groups}, stat_opts);
@@ -121,14 +131,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   const at::Tensor x = kernel_layout(input, num_groups);
   at::Tensor y = at::empty_like(x);
   const auto weight_d = dense(weight), bias_d = dense(bias), scale_d = dense(scale), shift_d = dense(shift);
-  // The offset's (N, C) values from a 16-byte aligned start: at the vector width x's rows allow (an offset sliced at
-  // an odd element would narrow every access of the tensor to its alignment).
-  const auto offset_d = input_offset.has_value() && common_alignment({input_offset->const_data_ptr()}) < 16
-                            ? std::optional<at::Tensor>(input_offset->clone(at::MemoryFormat::Contiguous))
-                            : dense(input_offset);
+  const auto offset_d = aligned(input_offset), input_bias_d = aligned(input_bias);
   ForwardArgs a;
   a.geo = geometry(Pass::kForward, x, num_groups, act,
-                   {x.const_data_ptr(), y.const_data_ptr(), data_or_null(offset_d)});
+                   {x.const_data_ptr(), y.const_data_ptr(), data_or_null(offset_d), data_or_null(input_bias_d)});
   a.dtype = scalar_kind(x);
   a.act = act;
   a.x = x.const_data_ptr();
@@ -137,6 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   a.scale = data_or_null(scale_d);
   a.shift = data_or_null(shift_d);
   a.input_offset = data_or_null(offset_d);
+  a.input_bias = data_or_null(input_bias_d);
   a.params_fp32 = is_fp32_for(x, weight, bias);
   a.modulation_fp32 = is_fp32_for(x, scale, shift);
   a.eps = (float)eps;

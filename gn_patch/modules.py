@@ -27,10 +27,11 @@ class GroupNormAct(nn.GroupNorm):
     num_groups may also be a numpy integer or a one-element integer tensor, eps a numpy float or a one-element real
     tensor, as torch.nn.GroupNorm takes them: they are stored as a Python int and float.
 
-    ``forward(x, scale=None, shift=None, input_offset=None)``: x is (N, C, *spatial); the optional per-sample
-    scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``;
-    ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) gives ``act(GroupNorm(x + input_offset))``,
-    the sum formed as the kernels load x. See gn_patch.group_norm_act.
+    ``forward(x, scale=None, shift=None, input_offset=None, input_bias=None)``: x is (N, C, *spatial); the optional
+    per-sample scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``;
+    ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) and ``input_bias`` (the (C,) bias of the
+    convolution that produced x, left out of it) give ``act(GroupNorm((x + input_bias) + input_offset))``, the sums
+    formed as the kernels load x. See gn_patch.group_norm_act.
 
     Raises:
         TypeError: num_groups not an int, eps not a number.
@@ -70,9 +71,9 @@ class GroupNormAct(nn.GroupNorm):
         super().__setattr__(name, canonical_activation(value) if name == "activation" else value)
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                input_offset: torch.Tensor | None = None) -> torch.Tensor:
+                input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
         return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift,
-                               input_offset)
+                               input_offset, input_bias)
 
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript (its forward chooses between the CUDA kernels "

@@ -3,15 +3,15 @@
 Ops (schemas, fake functions and CPU reference implementations here; CUDA kernels, autograd and dispatch in the
 compiled extension, csrc/, loaded on first use by gn_patch.extension):
 
-* ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None) ->
-  (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last inputs through a channels-last copy); CPU:
-  the reference implementation (same formulas, float32 statistics).
+* ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
+  input_bias=None) -> (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last inputs through a
+  channels-last copy); CPU: the reference implementation (same formulas, float32 statistics).
 * ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
 * ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift,
-  input_offset=None) -> y``: what
-  :func:`group_norm_act` and ``GroupNormAct.forward`` call, once per call: it sends what the kernels take
-  (channels-last CUDA inputs) to ``group_norm_act`` and computes everything else exactly as PyTorch's
-  ``x + input_offset``, ``F.group_norm``, ``* (1 + scale) + shift`` and the activation do, in C++.
+  input_offset=None, input_bias=None) -> y``: what :func:`group_norm_act` and ``GroupNormAct.forward`` call, once
+  per call: it sends what the kernels take (channels-last CUDA inputs) to ``group_norm_act`` and computes
+  everything else exactly as PyTorch's ``(x + input_bias) + input_offset``, ``F.group_norm``,
+  ``* (1 + scale) + shift`` and the activation do, in C++.
 
 Until the extension is loaded (it is built on the first CUDA input; CPU-only installs never build it), the public
 function computes PyTorch's path in Python.
@@ -46,7 +46,7 @@ _ALIASES = {"swish": "silu", "none": "identity", None: "identity"}
 _lib = torch.library.Library("gn_patch", "DEF")
 _lib.define(
     "group_norm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, int num_groups, float eps,"
-    " str activation, Tensor? input_offset=None) -> (Tensor y, Tensor mean, Tensor rstd)"
+    " str activation, Tensor? input_offset=None, Tensor? input_bias=None) -> (Tensor y, Tensor mean, Tensor rstd)"
 )
 _lib.define(
     "group_norm_act_backward(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift,"
@@ -55,7 +55,7 @@ _lib.define(
 )
 _lib.define(
     "group_norm_act_dispatch(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation,"
-    " Tensor? scale, Tensor? shift, Tensor? input_offset=None) -> Tensor"
+    " Tensor? scale, Tensor? shift, Tensor? input_offset=None, Tensor? input_bias=None) -> Tensor"
 )
 _DISPATCH = torch.ops.gn_patch.group_norm_act_dispatch.default
 
@@ -166,18 +166,33 @@ def _check_param(x, name, p):
                       lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}) or float32, got {p.dtype}")
 
 
-def _check_input_offset(x, input_offset):
-    """The forward op's input_offset: (N, C), x's dtype and device (csrc/op_checks.h's check_input_offset)."""
-    if input_offset is None:
-        return
-    torch._check_value(input_offset.dim() == 2 and tuple(input_offset.shape) == tuple(x.shape[:2]),
-                       lambda: f"gn_patch: input_offset must have shape (N, C) = ({x.shape[0]}, {x.shape[1]}), got "
-                               f"{list(input_offset.shape)}")
-    torch._check(input_offset.device == x.device, lambda: "Expected all tensors to be on the same device, but found "
-                                                          f"input on {x.device} and input_offset on "
-                                                          f"{input_offset.device}")
-    torch._check_type(input_offset.dtype == x.dtype, lambda: f"gn_patch: input_offset must have the input's dtype "
-                                                             f"({x.dtype}), got {input_offset.dtype}")
+def _check_input_terms(x, input_offset, input_bias):
+    """The forward op's input_offset (N, C) and input_bias (C,): shape, x's device and dtype (csrc/op_checks.h's
+    check_input_terms, with its messages)."""
+    if input_offset is not None:
+        _check_input_term(x, "input_offset", input_offset, "(N, C)", list(x.shape[:2]))
+    if input_bias is not None:
+        _check_input_term(x, "input_bias", input_bias, "(C,)", list(x.shape[1:2]))
+
+
+def _check_input_term(x, name, t, dims, expected):
+    torch._check_value(list(t.shape) == expected,
+                       lambda: f"gn_patch: {name} must have shape {dims} = {expected}, got {list(t.shape)}")
+    torch._check(t.device == x.device,
+                 lambda: f"Expected all tensors to be on the same device, but found input on {x.device} and {name} on "
+                         f"{t.device}")
+    torch._check_type(t.dtype == x.dtype, lambda: f"gn_patch: {name} must have the input's dtype ({x.dtype}), got "
+                                                  f"{t.dtype}")
+
+
+def _with_input_terms(x, input_offset, input_bias):
+    """(x + input_bias) + input_offset, each add rounded to x's dtype: what the kernels normalise when they add the
+    terms as they load x (csrc/op_checks.h's with_input_terms)."""
+    if input_bias is not None:
+        x = x + _param_view(input_bias, x)
+    if input_offset is not None:
+        x = x + _sample_view(input_offset, x)
+    return x
 
 
 def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
@@ -194,9 +209,10 @@ def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
 # Fake functions: shapes, dtypes and strides (y has x's layout, as empty_like gives it).
 # ------------------------------------------------------------------------------------------------
 @torch.library.register_fake("gn_patch::group_norm_act")
-def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None):
+def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
+                         input_bias=None):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
-    _check_input_offset(x, input_offset)
+    _check_input_terms(x, input_offset, input_bias)
     check_eps(eps)
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
     return torch.empty_like(x), stats, torch.empty_like(stats)
@@ -252,16 +268,16 @@ def _modulated(v, m, shift):
 
 
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
-def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None):
+def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
+                              input_bias=None):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
-    _check_input_offset(x, input_offset)
+    _check_input_terms(x, input_offset, input_bias)
     check_eps(eps)
     if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
         return torch.empty_like(x), stats, torch.empty_like(stats)
     y = torch.empty_like(x)
-    if input_offset is not None:  # the sum in x's dtype, as the kernels form it
-        x = x + _sample_view(input_offset, x)
+    x = _with_input_terms(x, input_offset, input_bias)  # the sums in x's dtype, as the kernels form them
     acc = x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1)
     var, mean = torch.var_mean(acc, dim=-1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
@@ -323,14 +339,16 @@ def _safe_group_norm(x, num_groups, weight, bias, eps):
     return F.group_norm(x, num_groups, weight, bias, eps)
 
 
-def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None, input_offset=None):
-    """Stock PyTorch: ``x + input_offset``, F.group_norm, the per-sample modulation ``* (1 + scale) + shift`` as
-    diffusers writes it, then the activation. What the dispatching op computes for the inputs the kernels do not
-    take, before the extension is loaded. On the CPU, y has the layout PyTorch's CPU kernel gives it (x's suggested
-    memory format), stated here because the fake (meta) group_norm of torch 2.14 returns NCHW for channels-last
-    input: torch.compile then traces the layout the real call returns."""
+def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None, input_offset=None,
+                  input_bias=None):
+    """Stock PyTorch: ``(x + input_bias) + input_offset``, F.group_norm, the per-sample modulation
+    ``* (1 + scale) + shift`` as diffusers writes it, then the activation. What the dispatching op computes for
+    the inputs the kernels do not take, before the extension is loaded. On the CPU, y has the layout PyTorch's CPU
+    kernel gives it (x's suggested memory format), stated here because the fake (meta) group_norm of torch 2.14
+    returns NCHW for channels-last input: torch.compile then traces the layout the real call returns."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
+    x = _add_input_bias(x, input_bias)
     if input_offset is not None:
         x = x + input_offset
     if not (x.is_floating_point() or x.is_complex()):
@@ -344,6 +362,19 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shif
     if shift is not None:
         y = y + shift
     return ACTIVATIONS[activation](y)
+
+
+def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + input_bias`` with input_bias (C,) viewed per channel, PyTorch's add (broadcasting, type promotion)."""
+    if input_bias is None:
+        return x
+    if not isinstance(input_bias, torch.Tensor):
+        raise TypeError("gn_patch.group_norm_act: input_bias must be a tensor or None, got "
+                        f"{type(input_bias).__name__}")
+    if input_bias.dim() != 1 or x.dim() < 2 or input_bias.shape[0] != x.shape[1]:
+        raise ValueError("gn_patch.group_norm_act: input_bias must have shape (C,) for input of shape "
+                         f"{list(x.shape)}; got {list(input_bias.shape)}")
+    return x + _param_view(input_bias, x)
 
 
 def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -360,23 +391,24 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
 
 
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
-                    input_offset=None) -> torch.Tensor:
+                    input_offset=None, input_bias=None) -> torch.Tensor:
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
     if input_offset is not None and not isinstance(input_offset, torch.Tensor):
-        x, input_offset = x + input_offset, None  # a Python number, as `hidden_states + temb` takes it
+        # A Python number, as `hidden_states + temb` takes it (after the bias: the order of the adds).
+        x, input_offset, input_bias = _add_input_bias(x, input_bias) + input_offset, None, None
     if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
-        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset)
-    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset)
+        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias)
+    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias)
 
 
 def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = "silu", *,
                    scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                   input_offset: torch.Tensor | None = None) -> torch.Tensor:
+                   input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
     """GroupNorm (Wu & He, 2018), an optional per-sample modulation, then an activation:
-    ``act(F.group_norm(x + input_offset, num_groups, weight, bias, eps) * (1 + scale) + shift)``.
+    ``act(F.group_norm((x + input_bias) + input_offset, num_groups, weight, bias, eps) * (1 + scale) + shift)``.
 
     Args:
         x: (N, C, *spatial) with 0 to 3 spatial dims, float16/bfloat16/float32 (any floating dtype on the
@@ -396,6 +428,11 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             dtype as PyTorch's add rounds, without writing the sum to memory (inference; under autograd, and with
             activations other than silu, the sum is PyTorch's add); any other shape, dtype or a number broadcasts
             and promotes as PyTorch's add does.
+        input_bias: optional (C,) tensor added to each channel of x before input_offset, as
+            ``x + input_bias.view(1, C, 1, ...)``: the bias of the convolution that produced x, left out of it
+            (PyTorch adds a cuDNN convolution's bias in a pass of its own; diffusers' resnet blocks compute
+            ``norm2(conv1(h) + temb)``). Added by the kernels as input_offset is, in x's dtype, a second rounded add
+            before it; another dtype or device promotes as PyTorch's add does.
 
     Returns:
         y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32). The kernels return
@@ -409,19 +446,20 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
 
     Raises:
         RuntimeError: C not divisible by num_groups, weight/bias not of shape (C,) (messages as
-            torch.nn.GroupNorm's), weight on another device than x; input_offset not broadcastable to x (PyTorch's
-            add's message).
-        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale or shift neither a tensor nor
-            None; input_offset neither a tensor, a number nor None (PyTorch's add's message); num_groups not an
-            int; eps not a number.
+            torch.nn.GroupNorm's), weight on another device than x; input_offset not broadcastable to x, or
+            input_bias on another device (PyTorch's add's messages).
+        TypeError: x not a tensor, or an integer or bool tensor; weight, bias, scale, shift or input_bias neither a
+            tensor nor None; input_offset neither a tensor, a number nor None (PyTorch's add's message); num_groups
+            not an int; eps not a number.
         ValueError: num_groups <= 0; eps negative, infinite or NaN; unknown activation; scale/shift of the wrong
-            shape.
+            shape; input_bias not of shape (C,).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     num_groups, eps = check_num_groups(num_groups), check_eps(eps)
-    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
+    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
+                    ("input_bias", input_bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,
-                           input_offset)
+                           input_offset, input_bias)

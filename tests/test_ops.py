@@ -567,54 +567,94 @@ def test_pytorch_path_input_offset_promotes_and_raises_as_add(host_path):
         gn_patch.group_norm_act(x, 4, input_offset="1")
 
 
+def test_pytorch_path_input_bias(host_path):
+    """input_bias (C,) is added per channel before input_offset, as `(x + bias.view(1, C, 1, 1)) + offset`: stock's
+    values, PyTorch's type promotion; any other shape is a ValueError, anything but a tensor a TypeError."""
+    x = random_input((2, 8, 3, 4), torch.float32, "cpu", layout="nchw")
+    w, b = affine(8)
+    bias, offset = torch.randn(8), torch.randn(2, 8, 1, 1)
+    torch.testing.assert_close(gn_patch.group_norm_act(x, 4, w, b, input_offset=offset, input_bias=bias),
+                               _stock_with_offset(x + bias.view(1, 8, 1, 1), offset, w, b), rtol=0, atol=0)
+    torch.testing.assert_close(gn_patch.group_norm_act(x, 4, input_offset=1.5, input_bias=bias),
+                               _stock_with_offset(x + bias.view(1, 8, 1, 1), 1.5, None, None), rtol=0, atol=0)
+    y = gn_patch.group_norm_act(x, 4, input_bias=bias.double())
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, _stock_with_offset(x, bias.double().view(1, 8, 1, 1), None, None), rtol=0, atol=0)
+    for bad in (torch.randn(4), torch.randn(1, 8), torch.randn(8, 1, 1)):
+        with pytest.raises(ValueError, match="input_bias must have shape"):
+            gn_patch.group_norm_act(x, 4, input_bias=bad)
+    with pytest.raises(TypeError, match="input_bias"):
+        gn_patch.group_norm_act(x, 4, input_bias=1.0)
+
+
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_kernel_path_input_offset(requires_grad, kernel_path_on_cpu):
-    """A per-sample offset of x's dtype reaches the kernels' op (no_grad: as its input_offset); with gradients
-    it is PyTorch's add, and x, the offset and the parameters get stock's gradients."""
+    """A per-sample offset and a per-channel bias of x's dtype reach the kernels' op (no_grad: as its input_offset and
+    input_bias); with gradients they are PyTorch's adds, and x, the terms and the parameters get stock's gradients."""
     x = random_input((2, 8, 3, 4), torch.float64, "cpu")
     x32 = x.float().contiguous(memory_format=torch.channels_last).requires_grad_(requires_grad)
     offset = torch.randn(2, 8, 1, 1).requires_grad_(requires_grad)
+    bias = torch.randn(8).requires_grad_(requires_grad)
     w, b = (t.requires_grad_(requires_grad) for t in affine(8))
     with _records_op_calls() as prof:
-        y = gn_patch.group_norm_act(x32, 4, w, b, input_offset=offset)
+        y = gn_patch.group_norm_act(x32, 4, w, b, input_offset=offset, input_bias=bias)
     assert _op_called(prof)
     assert y.is_contiguous(memory_format=torch.channels_last)
-    leaves = [t.detach().double().requires_grad_(True) for t in (x32, offset, w, b)]
-    want = _stock_with_offset(*leaves)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x32, offset, bias, w, b)]
+    want = _stock_with_offset(leaves[0] + leaves[2].view(1, 8, 1, 1), leaves[1], *leaves[3:])
     assert_close(y, want, **TOLERANCES[torch.float32], what="y")
     if requires_grad:
         y.square().sum().backward()
         want.square().sum().backward()
-        for got, leaf in zip((x32.grad, offset.grad, w.grad, b.grad), leaves):
+        for got, leaf in zip((x32.grad, offset.grad, bias.grad, w.grad, b.grad), leaves):
             assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
 
 
+def test_kernel_path_input_terms_round_in_order(kernel_path_on_cpu):
+    """float16: the op sums (x + bias) + offset, each add rounded, as stock's `(conv(x) + conv.bias) + temb`."""
+    x = random_input((2, 8, 6, 6), torch.float16, "cpu")
+    bias, offset = torch.randn(8).half(), torch.randn(2, 8, 1, 1).half()
+    two_adds = (x + bias.view(1, 8, 1, 1)) + offset
+    assert not torch.equal(two_adds, x + (bias.view(1, 8, 1, 1) + offset))  # the data tells the orders apart
+    with torch.no_grad():
+        y = gn_patch.group_norm_act(x, 4, input_offset=offset, input_bias=bias)
+        torch.testing.assert_close(y, gn_patch.group_norm_act(two_adds, 4), rtol=0, atol=0)
+
+
 def test_op_input_offset_checks_and_fake(ext):
-    """The kernels' op takes an (N, C) offset of x's dtype and device; its fake function checks the same."""
+    """The kernels' op takes an (N, C) offset and a (C,) bias of x's dtype and device; its fake function checks the
+    same."""
     x = random_input((2, 8, 3, 4), torch.float32, "cpu")
-    offset = torch.randn(2, 8)
-    torch.testing.assert_close(OP(x, None, None, None, None, 4, 1e-5, "silu", offset)[0],
-                               OP(x + offset[:, :, None, None], None, None, None, None, 4, 1e-5, "silu")[0],
-                               rtol=0, atol=0)
+    offset, bias = torch.randn(2, 8), torch.randn(8)
+    torch.testing.assert_close(OP(x, None, None, None, None, 4, 1e-5, "silu", offset, bias)[0],
+                               OP((x + bias[:, None, None]) + offset[:, :, None, None], None, None, None, None, 4, 1e-5,
+                                  "silu")[0], rtol=0, atol=0)
     for bad, error in ((offset[:, :, None, None], ValueError), (torch.randn(2, 5), ValueError),
                        (offset.double(), TypeError)):
         for inputs in ((x, bad), (x.to("meta"), bad.to("meta"))):
             with pytest.raises(error, match="input_offset"):
                 OP(inputs[0], None, None, None, None, 4, 1e-5, "silu", inputs[1])
+    for bad, error in ((bias[None], ValueError), (torch.randn(5), ValueError), (bias.double(), TypeError)):
+        for inputs in ((x, bad), (x.to("meta"), bad.to("meta"))):
+            with pytest.raises(error, match="input_bias"):
+                OP(inputs[0], None, None, None, None, 4, 1e-5, "silu", None, inputs[1])
 
 
 def test_opcheck_input_offset(ext):
     x = random_input((2, 8, 3, 3), torch.float32, "cpu").requires_grad_(True)
     w, b = (t.requires_grad_(True) for t in affine(8))
     offset = torch.randn(2, 8).requires_grad_(True)
+    bias = torch.randn(8).requires_grad_(True)
     torch.library.opcheck(OP, (x, w, b, None, None, 4, 1e-5, "silu", offset))
-    torch.library.opcheck(OP, (x.detach(), None, None, None, None, 4, 1e-5, "gelu", offset.detach()))
+    torch.library.opcheck(OP, (x, w, b, None, None, 4, 1e-5, "silu", offset, bias))
+    torch.library.opcheck(OP, (x.detach(), None, None, None, None, 4, 1e-5, "gelu", None, bias.detach()))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_fullgraph_input_offset(dynamic, kernel_path_on_cpu):
-    """torch.compile(fullgraph=True) traces the offset through the dispatch, forward and backward."""
-    fn = lambda x, o, w: gn_patch.group_norm_act(x, 4, w, None, input_offset=o).square().sum()
+    """torch.compile(fullgraph=True) traces the offset and the bias (here w again) through the dispatch, forward and
+    backward."""
+    fn = lambda x, o, w: gn_patch.group_norm_act(x, 4, w, None, input_offset=o, input_bias=w).square().sum()
     compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
     for shape in [(2, 8, 4, 4), (3, 8, 6, 5)]:
         x = random_input(shape, torch.float32, "cpu").requires_grad_(True)

@@ -190,67 +190,109 @@ OFFSET_CASES = ["sd_resnet", "sd_resnet_large", "sd_mid", "vae_streaming", "many
                 "wide_group_aten"]
 
 
+def channel_bias(x, seed=4):
+    """A per-channel bias (C,) of x's dtype, of the size of a convolution's."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(x.shape[1], generator=gen) * 0.5).to(x.dtype).to(x.device)
+
+
+def bias_view(bias, x):
+    return bias.view(1, -1, *([1] * (x.dim() - 2)))
+
+
+def with_terms(x, offset, bias):
+    """(x + bias) + offset with PyTorch's adds, each rounded to x's dtype: stock's `(conv(x) + conv.bias) + temb`."""
+    summed = x if bias is None else x + bias_view(bias, x)
+    return summed if offset is None else summed + offset_view(offset, x)
+
+
+@pytest.mark.parametrize("terms", ["offset", "bias", "both"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", OFFSET_CASES)
-def test_input_offset(case, dtype):
-    """act(GN(x + input_offset[n, c])) in every geometry: SiLU's kernels add the offset as they load x, the other
-    activations' get the sum from PyTorch's add. Either way the sum is x + offset rounded to x's dtype, so the
-    output is bitwise the op's output on that sum, and within tolerance of float64 on it."""
+def test_input_offset(case, dtype, terms):
+    """act(GN((x + input_bias[c]) + input_offset[n, c])) in every geometry: SiLU's kernels add the terms as they load
+    x, the other activations' get the sums from PyTorch's adds. Either way each sum is rounded to x's dtype in that
+    order, so the output is bitwise the op's output on the sums, and within tolerance of float64 on them."""
     shape, groups = CASES[case]
     x = random_input(shape, dtype, "cuda")
-    offset = sample_offset(x)
-    summed = x + offset_view(offset, x)
+    offset = sample_offset(x) if terms != "bias" else None
+    bias = channel_bias(x) if terms != "offset" else None
+    summed = with_terms(x, offset, bias)
     w, b = affine(shape[1], dtype)
     for activation in ("silu", "gelu"):
         poisoned(x)
-        y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, activation, offset)
+        y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, activation, offset, bias)
         assert y.stride() == x.stride() and y.dtype == dtype
         for got, want in zip((y, mean, rstd), OP(summed, w, b, None, None, groups, 1e-5, activation)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{activation}: not the op on x + offset")
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{activation}: not the op on the sums")
         assert_close(y, reference(summed, groups, w, b, 1e-5, activation), **TOLERANCES[dtype], what=f"y {activation}")
         sg = summed.double().reshape(shape[0], groups, -1)
         assert_close(rstd, torch.rsqrt(sg.var(-1, unbiased=False) + 1e-5), atol=0, rtol=1e-4, what="rstd")
-    # A NaN and an inf in the offset reach their own (image, group) only, as in the sum.
-    offset[0, 1] = float("nan")
-    offset[-1, -1] = float("inf")
-    summed = x + offset_view(offset, x)
+    # A NaN and an inf in the terms reach their own (image, group) only, or their channel's groups, as in the sums.
+    if offset is not None:
+        offset[0, 1] = float("nan")
+        offset[-1, -1] = float("inf")
+    if bias is not None:
+        bias[-1] = float("-inf")
+    summed = with_terms(x, offset, bias)
     poisoned(x)
-    y = OP(x, w, b, None, None, groups, 1e-5, "silu", offset)[0]
+    y = OP(x, w, b, None, None, groups, 1e-5, "silu", offset, bias)[0]
     torch.testing.assert_close(y, OP(summed, w, b, None, None, groups, 1e-5, "silu")[0], rtol=0, atol=0,
                                equal_nan=True)
     assert_same_nonfinite(y, reference(summed, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="nonfinite")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_input_bias_rounds_before_offset(dtype):
+    """Terms whose one sum differs from the two rounded sums: the kernels add the bias, then the offset, as stock's
+    `(conv(x) + conv.bias) + temb` rounds, not the offset and bias summed first."""
+    shape, groups = CASES["sd_resnet"]
+    x = random_input(shape, dtype, "cuda")
+    bias, offset = channel_bias(x), sample_offset(x)
+    two_adds, one_add = with_terms(x, offset, bias), x + offset_view(offset + bias, x)
+    assert not torch.equal(two_adds, one_add)  # the data tells the orders apart
+    poisoned(x)
+    y = OP(x, None, None, None, None, groups, 1e-5, "silu", offset, bias)[0]
+    torch.testing.assert_close(y, OP(two_adds, None, None, None, None, groups, 1e-5, "silu")[0], rtol=0, atol=0)
+    assert not torch.equal(y, OP(one_add, None, None, None, None, groups, 1e-5, "silu")[0])
 
 
 @pytest.mark.parametrize("case,shape,groups", [("group_512_channels", (1, 512, 16, 16), 1),
                                                ("sd_resnet_large", *CASES["sd_resnet_large"]),
                                                ("straddling_10", *CASES["straddling_10"])])
 def test_input_offset_unaligned(case, shape, groups):
-    """An offset whose data starts one element past a 16-byte boundary (a slice): the kernels read it from an
-    aligned copy, so x keeps its vector width (a narrowed width put 512 scalar accesses in a block of 256 threads)."""
+    """Terms whose data starts one element past a 16-byte boundary (slices): the kernels read them from aligned
+    copies, so x keeps its vector width (a narrowed width put 512 scalar accesses in a block of 256 threads)."""
     x = random_input(shape, torch.float16, "cuda")
     buffer = torch.empty(shape[0] * shape[1] + 1, dtype=torch.float16, device="cuda")
     buffer[1:].copy_(sample_offset(x).flatten())
     offset = buffer[1:].view(shape[0], shape[1])
-    poisoned(x)
-    y = OP(x, None, None, None, None, groups, 1e-5, "silu", offset)[0]
-    torch.testing.assert_close(y, OP(x + offset_view(offset, x), None, None, None, None, groups, 1e-5, "silu")[0],
-                               rtol=0, atol=0)
+    bias_buffer = torch.empty(shape[1] + 1, dtype=torch.float16, device="cuda")
+    bias_buffer[1:].copy_(channel_bias(x))
+    bias = bias_buffer[1:]
+    for terms in ((offset, None), (None, bias), (offset, bias)):
+        poisoned(x)
+        y = OP(x, None, None, None, None, groups, 1e-5, "silu", *terms)[0]
+        torch.testing.assert_close(y, OP(with_terms(x, *terms), None, None, None, None, groups, 1e-5, "silu")[0],
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["sd_resnet", "sd_resnet_large", "straddling_10", "rank3_transposed"])
 def test_input_offset_gradients(case, dtype):
-    """Under autograd the offset (N, C, 1, ...) is PyTorch's add: x and the offset get dx of the sum and its sum over
-    the spatial positions, as for `F.silu(F.group_norm(x + offset))`; without autograd the kernels add it."""
+    """Under autograd the terms are PyTorch's adds: x gets dx of the sums, the offset (N, C, 1, ...) its sum over the
+    spatial positions and the bias (C,) its sum over the images too, as for `F.silu(F.group_norm((x + bias) +
+    offset))`; without autograd the kernels add them."""
     shape, groups = CASES[case]
     x = random_input(shape, dtype, "cuda").requires_grad_(True)
     offset = sample_offset(x).requires_grad_(True)
+    bias = channel_bias(x).requires_grad_(True)
     w, b = (t.requires_grad_(True) for t in affine(shape[1], dtype))
     dy = random_input(shape, dtype, "cuda", scale=1.0, seed=5)
-    y = gn_patch.group_norm_act(x, groups, w, b, input_offset=offset_view(offset, x))
+    y = gn_patch.group_norm_act(x, groups, w, b, input_offset=offset_view(offset, x), input_bias=bias)
     poisoned(x)
     y.backward(dy)
-    summed = (x + offset_view(offset, x)).detach()
+    summed = with_terms(x, offset, bias).detach()
     rdx, rdw, rdb = reference_grads(summed, groups, w, b, 1e-5, "silu", dy)
     tol = TOLERANCES[dtype]
     scale = rdx.abs().max().item()
@@ -259,11 +301,11 @@ def test_input_offset_gradients(case, dtype):
     doffset = rdx.sum(list(range(2, x.dim()))) if x.dim() > 2 else rdx
     assert_close(offset.grad, doffset, atol=tol["atol"] * doffset.abs().max().item() + 4e-6 * math.sqrt(spatial)
                  * max(scale, 1.0), rtol=tol["rtol"], what="doffset")
-    for leaf, want, name in ((w, rdw, "dweight"), (b, rdb, "dbias")):
+    for leaf, want, name in ((bias, doffset.sum(0), "dinput_bias"), (w, rdw, "dweight"), (b, rdb, "dbias")):
         assert_close(leaf.grad, want, atol=tol["atol"] * want.abs().max().item() + 4e-6 * math.sqrt(shape[0] * spatial)
                      * max(scale, 1.0), rtol=tol["rtol"], what=name)
     with torch.no_grad():
-        fused = gn_patch.group_norm_act(x, groups, w, b, input_offset=offset_view(offset, x))
+        fused = gn_patch.group_norm_act(x, groups, w, b, input_offset=offset_view(offset, x), input_bias=bias)
     assert torch.equal(fused, y.detach())
 
 

@@ -20,6 +20,7 @@ from diffusers.models.resnet import ResnetBlock2D, ResnetBlockCondNorm2D, Tempor
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gn_patch import GroupNormAct, configs, rules, surgeon
 from gn_patch.surgeon import PatchReport, patch_model, unpatch_model
@@ -173,6 +174,106 @@ def test_resnet_block_divides_by_output_scale_factor_only_when_not_one(case):
             run(model)
         divisions.append(sum(n for name, n in ops.calls.items() if name.startswith("aten::div")))
     assert divisions[0] - divisions[1] == (1 if block.output_scale_factor == 1.0 else 0)
+
+
+class _OpArguments(TorchDispatchMode):
+    """Records the arguments of every call of the named ops."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        self.names, self.calls = names, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.names:
+            self.calls.append((func._schema.name, args))
+        return func(*args, **(kwargs or {}))
+
+
+def _run_resnet_recording(conv1_wrapped: str | None, device: str, dtype: torch.dtype, temb_channels=16,
+                          grad: bool = False):
+    """Patch a default ResnetBlock2D (conv1 wrapped as named after patching), call it on channels-last input; return
+    (output, stock output, whether conv1's wrapper ran, the biases its convolutions were called with (conv1, conv2),
+    the input offsets and input biases of norm1's and norm2's kernels' op calls)."""
+    block = make_resnet(temb_channels=temb_channels).to(device, dtype)
+    if conv1_wrapped == "bias_none":
+        block.conv1.bias = None
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    fired = []
+    if conv1_wrapped == "hook":
+        patched.conv1.register_forward_hook(lambda *_: fired.append(True))
+    elif conv1_wrapped == "instance_forward":
+        plain = patched.conv1.forward
+        patched.conv1.forward = lambda x: fired.append(True) or plain(x)
+    elif conv1_wrapped == "norm2_pre_hook":
+        patched.norm2.register_forward_pre_hook(lambda *_: fired.append(True))
+    x = randn(2, 32, 8, 8).to(device, dtype, memory_format=torch.channels_last)
+    temb = randn(2, 16, seed=1).to(device, dtype) if temb_channels else None
+    with torch.set_grad_enabled(grad), _OpArguments("gn_patch::group_norm_act", "aten::convolution") as recorded:
+        y = patched(x.requires_grad_(grad), temb)
+    with torch.no_grad():
+        expected = block(x, temb)
+    biases = [args[2] for name, args in recorded.calls if name == "aten::convolution"]
+    terms = [tuple(args[i] if len(args) > i else None for i in (8, 9))
+             for name, args in recorded.calls if name == "gn_patch::group_norm_act"]
+    return y, expected, bool(fired), biases, terms
+
+
+WRAPPED = [None, "hook", "instance_forward", "bias_none", "norm2_pre_hook"]
+
+
+@pytest.mark.parametrize("conv1_wrapped", WRAPPED)
+def test_resnet_block_timestep_joins_norm2(conv1_wrapped, kernel_path_on_cpu):
+    """The timestep embedding of a time_embedding_norm="default" block reaches norm2's kernels as their (N, C) input
+    offset (unless norm2 has pre-hooks); on the CPU conv1 keeps its bias (oneDNN adds it inside the convolution)."""
+    y, expected, fired, biases, terms = _run_resnet_recording(conv1_wrapped, "cpu", torch.float32)
+    assert_same_outputs(y, expected, 1e-5)
+    assert fired == (conv1_wrapped in ("hook", "instance_forward", "norm2_pre_hook"))
+    assert [b is None for b in biases] == [conv1_wrapped == "bias_none", False]  # conv1, conv2
+    offset, bias = terms[1]  # norm2's
+    assert terms[0] == (None, None) and bias is None
+    assert (offset is None) == (conv1_wrapped == "norm2_pre_hook")
+    assert offset is None or offset.shape == (2, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temb_channels", [16, None], ids=["temb", "no_temb"])
+@pytest.mark.parametrize("conv1_wrapped", WRAPPED)
+def test_resnet_block_conv1_bias_joins_norm2_cuda(conv1_wrapped, temb_channels):
+    """On CUDA, conv1 runs without its bias, which norm2's kernels add before the timestep offset; where a call of
+    conv1 would do more than its forward (a hook, a forward set on the instance as accelerate's offloading sets it),
+    norm2 has pre-hooks or conv1 has no bias, conv1 is called as it is. The output is the same bit for bit either
+    way (the kernels round each add as PyTorch's), and within fp16 rounding of stock's (NCHW kernels)."""
+    y, expected, fired, biases, terms = _run_resnet_recording(conv1_wrapped, "cuda", torch.float16, temb_channels)
+    assert_same_outputs(y, expected, 4e-3)
+    assert fired == (conv1_wrapped in ("hook", "instance_forward", "norm2_pre_hook"))
+    folded = conv1_wrapped is None
+    assert [b is None for b in biases] == [folded or conv1_wrapped == "bias_none", False]  # conv1, conv2
+    offset, bias = terms[1]
+    assert (bias is not None) == folded and (bias is None or bias.shape == (32,))
+    assert (offset is not None) == (temb_channels is not None and conv1_wrapped != "norm2_pre_hook")
+    if conv1_wrapped in ("hook", "instance_forward"):  # not folded: the same output as the folded block's
+        assert torch.equal(y, _run_resnet_recording(None, "cuda", torch.float16, temb_channels)[0])
+
+
+@pytest.mark.gpu
+def test_resnet_block_conv1_keeps_its_bias_under_autograd_cuda():
+    """A call that records gradients (fine-tuning) runs conv1 as it is: the adds would be PyTorch's anyway."""
+    y, expected, _, biases, terms = _run_resnet_recording(None, "cuda", torch.float16, grad=True)
+    assert [b is None for b in biases] == [False, False] and terms[1][1] is None
+    assert_same_outputs(y.detach(), expected, 4e-3)
+
+
+@pytest.mark.gpu
+def test_resnet_block_without_channels_last_is_bit_identical_cuda():
+    """patch_model(channels_last=False) on CUDA: conv1's output is NCHW and the norms take PyTorch's path, which
+    adds conv1's bias and temb as stock adds them: stock's output bit for bit."""
+    block = make_resnet().to("cuda", torch.float16)
+    patched = copy.deepcopy(block)
+    patch_model(patched, channels_last=False)
+    x, temb = randn(2, 32, 8, 8).to("cuda", torch.float16), randn(2, 16, seed=1).to("cuda", torch.float16)
+    with torch.no_grad():
+        assert torch.equal(patched(x, temb), block(x, temb))
 
 
 def test_resnet_block_divides_by_a_tensor_output_scale_factor():

@@ -1,9 +1,11 @@
-"""A/B of the timestep add fused into ResnetBlock2D.norm2 (input_offset) against the add before it, in one process,
-for benchmarks/NOTES.md (exploratory; CUDA).
+"""A/B of the adds before ResnetBlock2D.norm2 fused into its kernels, in one process, for benchmarks/NOTES.md
+(exploratory; CUDA).
 
-Both variants run the same patched model: "fused" as patch_model leaves it, "add_first" with GroupNormAct.forward
-adding the offset with PyTorch first (what the surgeon did before). Alternating rounds of eager calls (CUDA events)
-and CUDA-graph replays; prints the medians and writes them as JSON::
+Three variants of the same patched model: "bias_and_temb" as patch_model leaves it (conv1 runs without its bias,
+which norm2's kernels add before the timestep embedding: input_bias and input_offset), "temb" (conv1 keeps its bias;
+the kernels add temb only, the surgeon before conv1's bias was folded) and "neither" (GroupNormAct.forward adding
+both with PyTorch first, the surgeon before input_offset). Alternating rounds of eager calls (CUDA events) and
+CUDA-graph replays; prints the medians and writes them as JSON::
 
     python benchmarks/tools/ab_input_offset.py --json ab_input_offset.json
 """
@@ -17,16 +19,33 @@ import statistics
 import diffusers
 import torch
 
-from gn_patch import GroupNormAct, configs, patch_model
-from gn_patch.bench.models import animatediff_call, unet_call
+from gn_patch import GroupNormAct, configs, patch_model, rules
+from gn_patch.bench.models import animatediff_call, unet_call, vae_decode_call
 
 FUSED_FORWARD = GroupNormAct.forward
+FUSED_BLOCK = rules.fusion.fused_class(rules.fusion.FUSIONS[diffusers.models.resnet.ResnetBlock2D])
+FOLDING_CONV1 = FUSED_BLOCK.conv1_without_bias
 
 
-def add_first_forward(self, x, scale=None, shift=None, input_offset=None):
+def add_first_forward(self, x, scale=None, shift=None, input_offset=None, input_bias=None):
+    if input_bias is not None:
+        x = x + input_bias.view(1, -1, *([1] * (x.dim() - 2)))
     if input_offset is not None:
         x = x + input_offset
     return FUSED_FORWARD(self, x, scale, shift)
+
+
+def conv1_with_bias(block, hidden_states):
+    return block.conv1(hidden_states), None
+
+
+# variant -> (GroupNormAct.forward, the fused ResnetBlock2D's conv1_without_bias)
+VARIANTS = {"bias_and_temb": (FUSED_FORWARD, FOLDING_CONV1), "temb": (FUSED_FORWARD, conv1_with_bias),
+            "neither": (add_first_forward, conv1_with_bias)}
+
+
+def use(variant: str) -> None:
+    GroupNormAct.forward, FUSED_BLOCK.conv1_without_bias = VARIANTS[variant]
 
 
 def timed(call, repeats: int) -> float:
@@ -52,21 +71,18 @@ def graph_of(call):
     return graph
 
 
-VARIANTS = {"fused": FUSED_FORWARD, "add_first": add_first_forward}
-
-
 def measure(name: str, call, rounds: int, repeats: int) -> dict:
     graphs, rows = {}, {variant: {"eager_ms": [], "graph_ms": []} for variant in VARIANTS}
     with torch.no_grad():
-        for variant, forward in VARIANTS.items():
-            GroupNormAct.forward = forward
+        for variant in VARIANTS:
+            use(variant)
             graphs[variant] = graph_of(call)
         for _ in range(rounds):
-            for variant, forward in VARIANTS.items():
-                GroupNormAct.forward = forward
+            for variant in VARIANTS:
+                use(variant)
                 rows[variant]["eager_ms"].append(timed(call, repeats))
                 rows[variant]["graph_ms"].append(timed(graphs[variant].replay, repeats))
-    GroupNormAct.forward = FUSED_FORWARD
+    use("bias_and_temb")
     summary = {variant: {key: statistics.median(values) for key, values in row.items()}
                for variant, row in rows.items()}
     print(name, json.dumps(summary))
@@ -90,6 +106,12 @@ def main() -> None:
         unet = diffusers.UNet2DConditionModel(**configs.SD15_UNET).to(torch.float16).eval()
     patch_model(unet, channels_last=True)
     out.append(measure("sd15_unet b2 64x64", unet_call(unet, 2, 64, torch.float16, "cuda"), args.rounds, args.repeats))
+    del unet
+    with torch.device("cuda"):
+        vae = diffusers.AutoencoderKL(**configs.SD_VAE).to(torch.float16).eval()
+    patch_model(vae, channels_last=True)
+    out.append(measure("sd_vae decode 1024", vae_decode_call(vae, 128, torch.float16, "cuda"), args.rounds,
+                       args.repeats))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -221,8 +221,8 @@ class StockLayoutGroupNorm(FusedGroupNorm):
     """
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                input_offset: torch.Tensor | None = None) -> torch.Tensor:
-        y = super().forward(x, scale, shift, input_offset)
+                input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x, scale, shift, input_offset, input_bias)
         return y.contiguous() if y.is_cuda else y
 
 

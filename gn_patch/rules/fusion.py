@@ -14,7 +14,8 @@ block's own source with two edits, made on its syntax tree:
 * statements the rule lists as ``rewrites`` are replaced by ones that compute the same values with less memory
   traffic: a copy to the standard layout that keeps the channels-last layout instead, a division by an
   ``output_scale_factor`` of 1.0 skipped (``unscaled``), ``h = h + temb; h = self.norm2(h)`` made
-  ``h = self.norm2(h, input_offset=temb)`` (the kernels add the timestep embedding as they load h).
+  ``h = self.norm2(h, input_offset=temb)`` (the kernels add the timestep embedding as they load h), conv1's bias
+  made norm2's ``input_bias``.
 
 Nothing else changes, and each edit must apply exactly as the rule declares, else the rule raises (a rule error
 the tests catch). The source is the one recorded with ``verified``: on other code the rule does not apply. The
@@ -232,6 +233,7 @@ class Fusion:
             values with less memory traffic: a copy of a channels-last tensor to the standard layout
             (``x.contiguous()``, a reshape through an NCHW copy) that keeps the layout the input came in, a division
             by a factor of 1.0 skipped (``unscaled``), an add before a norm made the norm's ``input_offset``.
+        helpers: functions the rewritten statements call as methods, ``self.<name>(...)``: added to the fused class.
     """
 
     cls: type
@@ -241,6 +243,7 @@ class Fusion:
     output: str | None = None
     modulated_if: Callable[[nn.Module], bool] | None = None
     rewrites: dict[str, str] = field(default_factory=dict)
+    helpers: dict[str, Callable] = field(default_factory=dict)
     fused_cls: type | None = None  # generated on first use (only when the forward is edited)
 
     @property
@@ -360,7 +363,7 @@ def fused_class(spec: Fusion) -> type:
     (a second patch_model call recognizes it)."""
     if spec.fused_cls is None:
         name = next(n for n, other in _BY_FUSED_NAME.items() if other is spec)
-        namespace = {"__module__": __name__, "__qualname__": name, "forward": _generate_forward(spec),
+        namespace = {"__module__": __name__, "__qualname__": name, "forward": _generate_forward(spec), **spec.helpers,
                      "__doc__": f"{spec.cls.__name__} whose GroupNorms apply what follows them (gn_patch)."}
         spec.fused_cls = stands_in_for(spec.cls)(type(name, (spec.cls,), namespace))
         RULES[spec.fused_cls] = RULES[spec.cls]
@@ -496,10 +499,11 @@ def _handler(spec: Fusion) -> Callable[[Surgery, str, nn.Module], None]:
 
 def fusion(cls: type, digest: str, *, activations: dict[str, str] | None = None, modulated=(), alone=(),
            output: str | None = None, modulated_if: Callable[[nn.Module], bool] | None = None,
-           rewrites: dict[str, str] | None = None) -> Fusion:
+           rewrites: dict[str, str] | None = None, helpers: dict[str, Callable] | None = None) -> Fusion:
     """Declare how ``cls``'s forward, read as it is with source ``digest``, uses its GroupNorms; registers the
     rule. See :class:`Fusion` for the arguments."""
-    spec = Fusion(cls, dict(activations or {}), set(modulated), set(alone), output, modulated_if, dict(rewrites or {}))
+    spec = Fusion(cls, dict(activations or {}), set(modulated), set(alone), output, modulated_if, dict(rewrites or {}),
+                  dict(helpers or {}))
     verified(cls.forward, digest)
     FUSIONS[cls] = spec
     name = f"_Fused{cls.__name__}"

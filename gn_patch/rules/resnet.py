@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
 from diffusers.models.normalization import AdaGroupNorm
 from diffusers.models.resnet import Conv1dBlock, ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
 
@@ -12,24 +14,64 @@ from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 
 # The residual sum's division by output_scale_factor, skipped where that is 1.0.
 RESIDUAL_SUM = unscaled("output_tensor = (input_tensor + hidden_states) / self.output_scale_factor")
-# The timestep embedding (N, C, 1, 1) added to hidden_states before norm2 becomes norm2's input_offset: the kernels
-# add it as they load hidden_states, which saves a pass over the block's tensor (a read and a write) and a launch.
-# Where norm2 has forward pre-hooks (its own or global ones, registered before or after patching) they see the
-# sum, as in stock: the add stays.
+
+
+def conv1_without_bias(block: ResnetBlock2D, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(block.conv1(hidden_states), None)``; or, where norm2 can add conv1's bias itself with stock's values and
+    that saves work, ``(conv1(hidden_states) without its bias, the bias (C,) in the output's dtype)``, for norm2's
+    input_bias.
+
+    On CUDA, PyTorch adds a cuDNN convolution's bias in a pass of its own over the output (at::_convolution's
+    ``output.add_(bias)``); the kernels add it as they load the output, rounded as that add rounds, before the
+    timestep embedding, so norm2 sees the values stock computes. Folded only where that holds: a CUDA input with
+    cuDNN enabled, conv1 a plain nn.Conv2d (groups 1: no depthwise kernel, which adds the bias itself) with a bias
+    that a call would run as is (no hooks of its own or global ones, no forward set on the instance: accelerate's
+    and diffusers' offloading, FSDP; a LoRA layer is another class); norm2 without forward pre-hooks (they see the
+    sum, as in stock); no gradient recorded (a training step gains nothing: the adds are PyTorch's there); not
+    while torch.compile or torch.export traces (their graphs place the bias themselves).
+    """
+    conv = block.conv1
+    if not (hidden_states.is_cuda and block.time_embedding_norm == "default" and type(conv) is nn.Conv2d
+            and conv.bias is not None and conv.groups == 1 and not torch.compiler.is_compiling()
+            and torch.backends.cudnn.enabled and _runs_forward_only(conv)
+            and not (block.norm2._forward_pre_hooks or torch_module._global_forward_pre_hooks)
+            and not (torch.is_grad_enabled()
+                     and (hidden_states.requires_grad or conv.weight.requires_grad or conv.bias.requires_grad))):
+        return conv(hidden_states), None
+    output = conv._conv_forward(hidden_states, conv.weight, None)
+    return output, conv.bias.to(output.dtype)  # autocast casts a convolution's bias likewise
+
+
+def _runs_forward_only(module: nn.Module) -> bool:
+    """Calling ``module`` would run its class's forward and nothing else (torch.nn.Module._call_impl's fast path)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__
+                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+
+
+# In time_embedding_norm="default" blocks, conv1's bias (conv1_without_bias) and the timestep embedding (N, C, 1, 1),
+# both added to conv1's output before norm2, become norm2's input_bias and input_offset: the kernels add them as they
+# load the output, which saves two passes over the block's tensor (a read and a write each) and two launches. Where
+# norm2 has forward pre-hooks (its own or global ones, registered before or after patching) they see the sum, as in
+# stock: the adds stay.
 TEMB_OFFSET = {
+    "hidden_states = self.conv1(hidden_states)": "hidden_states, conv1_bias = self.conv1_without_bias(hidden_states)",
     "if temb is not None:\n    hidden_states = hidden_states + temb\nhidden_states = self.norm2(hidden_states)":
         "if temb is not None and (self.norm2._forward_pre_hooks or "
         "torch.nn.modules.module._global_forward_pre_hooks):\n"
         "    hidden_states = hidden_states + temb\n"
         "    hidden_states = self.norm2(hidden_states)\n"
         "else:\n"
-        "    hidden_states = self.norm2(hidden_states, input_offset=temb)",
+        "    hidden_states = self.norm2(hidden_states, input_offset=temb, input_bias=conv1_bias)",
 }
-# norm1 -> nonlinearity; norm2 (with the timestep shift as its input offset, or with the timestep scale/shift of
-# time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts on temb.
+# norm1 -> nonlinearity; norm2 (with conv1's bias and the timestep shift as its input terms, or with the timestep
+# scale/shift of time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts
+# on temb.
 fusion(ResnetBlock2D, "eda498bf0236feb0",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
-       modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites={**RESIDUAL_SUM, **TEMB_OFFSET})
+       modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites={**RESIDUAL_SUM, **TEMB_OFFSET},
+       helpers={"conv1_without_bias": conv1_without_bias})
 # The 5-D blocks of Stable Video Diffusion.
 fusion(TemporalResnetBlock, "7c1ebea7613ebc9f",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"})

@@ -44,10 +44,12 @@ struct LaneConstants {
   int lanes_lo;
   float gamma[V], delta[V];
 
-  // A select per lane where the vector straddles (j is a compile-time lane index).
-  __device__ __forceinline__ float2 lane_moments(int j) const {
-    return Straddle && j >= lanes_lo ? moments.hi : moments.lo;
+  // The value of lane j's group, of the thread's (lo) or the next (hi): a select per lane where the vector straddles
+  // (j is a compile-time lane index).
+  __device__ __forceinline__ float2 lane_select(int j, float2 lo, float2 hi) const {
+    return Straddle && j >= lanes_lo ? hi : lo;
   }
+  __device__ __forceinline__ float2 lane_moments(int j) const { return lane_select(j, moments.lo, moments.hi); }
   __device__ __forceinline__ float xhat(int j, float x) const {
     const float2 m = lane_moments(j);
     return (x - m.x) * m.y;
@@ -140,7 +142,7 @@ __device__ __forceinline__ void store_dx(const Pack<T, V>& xp, const Pack<T, V>&
                                          const LaneConstants<V, Straddle>& k, const Coefficients& coef, T* out) {
   float r[V];
   visit_pair<T, V, A, Straddle>(xp, dp, k, [&](int j, float xhat, float du) {
-    const float2 c = Straddle && j >= k.lanes_lo ? coef.hi : coef.lo;
+    const float2 c = k.lane_select(j, coef.lo, coef.hi);
     r[j] = k.lane_moments(j).y * (k.gamma[j] * du - c.x - xhat * c.y);
   });
   store_vec<T, V>(out, r);
@@ -423,10 +425,7 @@ struct BackwardMaxCluster {
 
 void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
   if (a.geo.blocks() == 0) return;
-  // Only the 16-byte vectors of 16-bit types have straddling kernels (kStraddles): any other straddling geometry
-  // would run kernels that keep each thread in one group.
-  TORCH_CHECK(!a.geo.straddle || (a.dtype != ScalarKind::kFloat && a.geo.vec == 8),
-              "gn_patch: straddling geometry for vectors without straddling kernels");
+  check_straddling_kernels(a.geo, a.dtype);
   dispatch<BackwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
 }
 

@@ -462,9 +462,7 @@ struct ForwardMaxCluster {
 
 void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
   if (a.geo.blocks() == 0) return;
-  // As in launch_backward: straddling kernels exist for the 16-byte vectors of 16-bit types only.
-  TORCH_CHECK(!a.geo.straddle || (a.dtype != ScalarKind::kFloat && a.geo.vec == 8),
-              "gn_patch: straddling geometry for vectors without straddling kernels");
+  check_straddling_kernels(a.geo, a.dtype);
   TORCH_CHECK((a.input_offset == nullptr && a.input_bias == nullptr) || fuses_input_offset(a.act),
               "gn_patch: an input offset or bias for an activation whose kernels do not add it");
   dispatch<ForwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);

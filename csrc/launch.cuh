@@ -78,6 +78,12 @@ void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream,
 template <typename T, int V>
 constexpr bool kStraddles = sizeof(T) == 2 && V == 8;
 
+// A straddling geometry for any other vectors would run kernels that keep each thread in one group.
+inline void check_straddling_kernels(const Geometry& g, ScalarKind dtype) {
+  TORCH_CHECK(!g.straddle || (dtype != ScalarKind::kFloat && g.vec == 8),
+              "gn_patch: straddling geometry for vectors without straddling kernels");
+}
+
 // The largest power-of-two cluster (<= kMaxCluster) `kernel` launches with on the current device, with blocks of
 // kMaxThreads threads; 1 without cluster support. Opts the kernel in to non-portable sizes (> 8) where the
 // device schedules them. `cache` holds one entry per device (0: not queried yet).

@@ -228,6 +228,11 @@ def test_input_offset(case, dtype, terms):
         assert_close(y, reference(summed, groups, w, b, 1e-5, activation), **TOLERANCES[dtype], what=f"y {activation}")
         sg = summed.double().reshape(shape[0], groups, -1)
         assert_close(rstd, torch.rsqrt(sg.var(-1, unbiased=False) + 1e-5), atol=0, rtol=1e-4, what="rstd")
+    # With a per-sample modulation (diffusers' scale_shift blocks): the terms, then the modulated normalisation.
+    scale, shift = sample_offset(x, seed=6) * 0.25, sample_offset(x, seed=7)
+    poisoned(x)
+    y = OP(x, w, b, scale, shift, groups, 1e-5, "silu", offset, bias)[0]
+    torch.testing.assert_close(y, OP(summed, w, b, scale, shift, groups, 1e-5, "silu")[0], rtol=0, atol=0)
     # A NaN and an inf in the terms reach their own (image, group) only, or their channel's groups, as in the sums.
     if offset is not None:
         offset[0, 1] = float("nan")

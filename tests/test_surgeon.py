@@ -189,12 +189,12 @@ class _OpArguments(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run_resnet_recording(conv1_wrapped: str | None, device: str, dtype: torch.dtype, temb_channels=16,
+def _run_resnet_recording(conv1_wrapped: str | None, device: str, dtype: torch.dtype, block_kwargs=None,
                           grad: bool = False):
-    """Patch a default ResnetBlock2D (conv1 wrapped as named after patching), call it on channels-last input; return
-    (output, stock output, whether conv1's wrapper ran, the biases its convolutions were called with (conv1, conv2),
-    the input offsets and input biases of norm1's and norm2's kernels' op calls)."""
-    block = make_resnet(temb_channels=temb_channels).to(device, dtype)
+    """Patch a ResnetBlock2D (make_resnet(**block_kwargs); conv1 wrapped as named after patching), call it on
+    channels-last input; return (output, stock output, whether conv1's wrapper ran, the biases its convolutions were
+    called with (conv1, conv2), the input offsets and input biases of norm1's and norm2's kernels' op calls)."""
+    block = make_resnet(**(block_kwargs or {})).to(device, dtype)
     if conv1_wrapped == "bias_none":
         block.conv1.bias = None
     patched = copy.deepcopy(block)
@@ -208,7 +208,7 @@ def _run_resnet_recording(conv1_wrapped: str | None, device: str, dtype: torch.d
     elif conv1_wrapped == "norm2_pre_hook":
         patched.norm2.register_forward_pre_hook(lambda *_: fired.append(True))
     x = randn(2, 32, 8, 8).to(device, dtype, memory_format=torch.channels_last)
-    temb = randn(2, 16, seed=1).to(device, dtype) if temb_channels else None
+    temb = randn(2, block.time_emb_proj.in_features, seed=1).to(device, dtype) if block.time_emb_proj else None
     with torch.set_grad_enabled(grad), _OpArguments("gn_patch::group_norm_act", "aten::convolution") as recorded:
         y = patched(x.requires_grad_(grad), temb)
     with torch.no_grad():
@@ -236,24 +236,32 @@ def test_resnet_block_timestep_joins_norm2(conv1_wrapped, kernel_path_on_cpu):
     assert offset is None or offset.shape == (2, 32)
 
 
+# time_embedding_norm of the blocks: "default" with a timestep (UNets) or without (VAE encoders, the VAE decoders' mid
+# blocks), "group" (the VAE decoders' up blocks), "scale_shift" (Kandinsky 2.2, DeepFloyd IF).
+BLOCK_MODES = {"default": {}, "default_no_temb": dict(temb_channels=None),
+               "group": dict(temb_channels=None, time_embedding_norm="group"),
+               "scale_shift": dict(time_embedding_norm="scale_shift")}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("temb_channels", [16, None], ids=["temb", "no_temb"])
+@pytest.mark.parametrize("mode", BLOCK_MODES)
 @pytest.mark.parametrize("conv1_wrapped", WRAPPED)
-def test_resnet_block_conv1_bias_joins_norm2_cuda(conv1_wrapped, temb_channels):
-    """On CUDA, conv1 runs without its bias, which norm2's kernels add before the timestep offset; where a call of
-    conv1 would do more than its forward (a hook, a forward set on the instance as accelerate's offloading sets it),
-    norm2 has pre-hooks or conv1 has no bias, conv1 is called as it is. The output is the same bit for bit either
-    way (the kernels round each add as PyTorch's), and within fp16 rounding of stock's (NCHW kernels)."""
-    y, expected, fired, biases, terms = _run_resnet_recording(conv1_wrapped, "cuda", torch.float16, temb_channels)
+def test_resnet_block_conv1_bias_joins_norm2_cuda(conv1_wrapped, mode):
+    """On CUDA, conv1 runs without its bias, which norm2's kernels add (before the timestep offset where there is
+    one); where a call of conv1 would do more than its forward (a hook, a forward set on the instance as accelerate's
+    offloading sets it), norm2 has pre-hooks or conv1 has no bias, conv1 is called as it is. The output is the same
+    bit for bit either way (the kernels round each add as PyTorch's), and within fp16 rounding of stock's."""
+    kwargs = BLOCK_MODES[mode]
+    y, expected, fired, biases, terms = _run_resnet_recording(conv1_wrapped, "cuda", torch.float16, kwargs)
     assert_same_outputs(y, expected, 4e-3)
     assert fired == (conv1_wrapped in ("hook", "instance_forward", "norm2_pre_hook"))
     folded = conv1_wrapped is None
     assert [b is None for b in biases] == [folded or conv1_wrapped == "bias_none", False]  # conv1, conv2
     offset, bias = terms[1]
     assert (bias is not None) == folded and (bias is None or bias.shape == (32,))
-    assert (offset is not None) == (temb_channels is not None and conv1_wrapped != "norm2_pre_hook")
+    assert (offset is not None) == (mode == "default" and conv1_wrapped != "norm2_pre_hook")
     if conv1_wrapped in ("hook", "instance_forward"):  # not folded: the same output as the folded block's
-        assert torch.equal(y, _run_resnet_recording(None, "cuda", torch.float16, temb_channels)[0])
+        assert torch.equal(y, _run_resnet_recording(None, "cuda", torch.float16, kwargs)[0])
 
 
 @pytest.mark.gpu

@@ -22,18 +22,17 @@ def conv1_without_bias(block: ResnetBlock2D, hidden_states: torch.Tensor) -> tup
     input_bias.
 
     On CUDA, PyTorch adds a cuDNN convolution's bias in a pass of its own over the output (at::_convolution's
-    ``output.add_(bias)``); the kernels add it as they load the output, rounded as that add rounds, before the
-    timestep embedding, so norm2 sees the values stock computes. Folded only where that holds: a CUDA input with
-    cuDNN enabled, conv1 a plain nn.Conv2d (groups 1: no depthwise kernel, which adds the bias itself) with a bias
-    that a call would run as is (no hooks of its own or global ones, no forward set on the instance: accelerate's
-    and diffusers' offloading, FSDP; a LoRA layer is another class); norm2 without forward pre-hooks (they see the
-    sum, as in stock); no gradient recorded (a training step gains nothing: the adds are PyTorch's there); not
-    while torch.compile or torch.export traces (their graphs place the bias themselves).
+    ``output.add_(bias)``); the kernels add it as they load the output, rounded as that add rounds (and before the
+    timestep embedding, where the block adds one), so norm2 sees the values stock computes. Folded only where that
+    holds: a CUDA input with cuDNN enabled, conv1 a plain nn.Conv2d (groups 1: no depthwise kernel, which adds the
+    bias itself) with a bias that a call would run as is (no hooks of its own or global ones, no forward set on the
+    instance: accelerate's and diffusers' offloading, FSDP; a LoRA layer is another class); norm2 without forward
+    pre-hooks (they see the sum, as in stock); no gradient recorded (a training step gains nothing: the adds are
+    PyTorch's there); not while torch.compile or torch.export traces (their graphs place the bias themselves).
     """
     conv = block.conv1
-    if not (hidden_states.is_cuda and block.time_embedding_norm == "default" and type(conv) is nn.Conv2d
-            and conv.bias is not None and conv.groups == 1 and not torch.compiler.is_compiling()
-            and torch.backends.cudnn.enabled and _runs_forward_only(conv)
+    if not (hidden_states.is_cuda and type(conv) is nn.Conv2d and conv.bias is not None and conv.groups == 1
+            and not torch.compiler.is_compiling() and torch.backends.cudnn.enabled and _runs_forward_only(conv)
             and not (block.norm2._forward_pre_hooks or torch_module._global_forward_pre_hooks)
             and not (torch.is_grad_enabled()
                      and (hidden_states.requires_grad or conv.weight.requires_grad or conv.bias.requires_grad))):
@@ -50,11 +49,12 @@ def _runs_forward_only(module: nn.Module) -> bool:
                 or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
 
 
-# In time_embedding_norm="default" blocks, conv1's bias (conv1_without_bias) and the timestep embedding (N, C, 1, 1),
-# both added to conv1's output before norm2, become norm2's input_bias and input_offset: the kernels add them as they
-# load the output, which saves two passes over the block's tensor (a read and a write each) and two launches. Where
-# norm2 has forward pre-hooks (its own or global ones, registered before or after patching) they see the sum, as in
-# stock: the adds stay.
+# conv1's bias (conv1_without_bias) and, in time_embedding_norm="default" blocks, the timestep embedding (N, C, 1, 1),
+# added to conv1's output before norm2, become norm2's input_bias and input_offset: the kernels add them as they load
+# the output, which saves a pass over the block's tensor (a read and a write) and a launch each. Where norm2 has
+# forward pre-hooks (its own or global ones, registered before or after patching) they see the sums, as in stock:
+# the adds stay. The other branches ("scale_shift", whose modulation joins the call too, and "group", the VAE
+# decoders') normalise conv1's output directly.
 TEMB_OFFSET = {
     "hidden_states = self.conv1(hidden_states)": "hidden_states, conv1_bias = self.conv1_without_bias(hidden_states)",
     "if temb is not None:\n    hidden_states = hidden_states + temb\nhidden_states = self.norm2(hidden_states)":
@@ -64,10 +64,27 @@ TEMB_OFFSET = {
         "    hidden_states = self.norm2(hidden_states)\n"
         "else:\n"
         "    hidden_states = self.norm2(hidden_states, input_offset=temb, input_bias=conv1_bias)",
+    'if self.time_embedding_norm == "scale_shift":\n'
+    "    if temb is None:\n"
+    '        raise ValueError(f" `temb` should not be None when `time_embedding_norm` is {self.time_embedding_norm}")\n'
+    "    time_scale, time_shift = torch.chunk(temb, 2, dim=1)\n"
+    "    hidden_states = self.norm2(hidden_states)\n"
+    "    hidden_states = hidden_states * (1 + time_scale) + time_shift\n"
+    "else:\n"
+    "    hidden_states = self.norm2(hidden_states)":
+        'if self.time_embedding_norm == "scale_shift":\n'
+        "    if temb is None:\n"
+        '        raise ValueError(f" `temb` should not be None when `time_embedding_norm` is '
+        '{self.time_embedding_norm}")\n'
+        "    time_scale, time_shift = torch.chunk(temb, 2, dim=1)\n"
+        "    hidden_states = self.norm2(hidden_states, input_bias=conv1_bias)\n"
+        "    hidden_states = hidden_states * (1 + time_scale) + time_shift\n"
+        "else:\n"
+        "    hidden_states = self.norm2(hidden_states, input_bias=conv1_bias)",
 }
-# norm1 -> nonlinearity; norm2 (with conv1's bias and the timestep shift as its input terms, or with the timestep
-# scale/shift of time_embedding_norm="scale_shift" merged into the call) -> nonlinearity. self.nonlinearity also acts
-# on temb.
+# norm1 -> nonlinearity; norm2 (with conv1's bias and the timestep shift as its input terms, or conv1's bias and the
+# timestep scale/shift of time_embedding_norm="scale_shift" merged into the call) -> nonlinearity.
+# self.nonlinearity also acts on temb.
 fusion(ResnetBlock2D, "eda498bf0236feb0",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
        modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites={**RESIDUAL_SUM, **TEMB_OFFSET},

@@ -395,6 +395,8 @@ def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: st
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
     if input_offset is not None and not isinstance(input_offset, torch.Tensor):
         # A Python number, as `hidden_states + temb` takes it (after the bias: the order of the adds).
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
         x, input_offset, input_bias = _add_input_bias(x, input_bias) + input_offset, None, None
     if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
         if not isinstance(x, torch.Tensor):

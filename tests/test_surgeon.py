@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import pickle
 from collections import Counter, OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -234,6 +235,77 @@ def test_resnet_block_timestep_joins_norm2(conv1_wrapped, kernel_path_on_cpu):
     assert terms[0] == (None, None) and bias is None
     assert (offset is None) == (conv1_wrapped == "norm2_pre_hook")
     assert offset is None or offset.shape == (2, 32)
+
+
+def _fold_case(case: str):
+    """A patched default ResnetBlock2D set up as ``case`` names, and a stand-in for a CUDA input (the predicate reads
+    its is_cuda and requires_grad only); returns (block, input, undo)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+    block = make_resnet()
+    patch_model(block)
+    undo = lambda: None
+    if case == "bias_none":
+        block.conv1.bias = None
+    elif case == "groups":
+        block.conv1.groups = 2
+    elif case == "bias_dtype":
+        block.conv1.bias.data = block.conv1.bias.data.double()
+    elif case == "conv1_hook":
+        block.conv1.register_forward_hook(lambda *_: None)
+    elif case == "norm2_forward_hook":
+        block.norm2.register_forward_hook(lambda *_: None)
+    elif case == "norm2_instance_forward":
+        block.norm2.forward = lambda *args, **kwargs: None
+    elif case == "accelerate_hook":
+        add_hook_to_module(block.conv1, ModelHook())
+    elif case == "accelerate_hook_removed":
+        remove_hook_from_module(add_hook_to_module(block.conv1, ModelHook()))
+    elif case == "class_forward":  # as LoRA loaders patch it
+        original = nn.Conv2d.forward
+        nn.Conv2d.forward = lambda self, x: original(self, x)
+        undo = lambda: setattr(nn.Conv2d, "forward", original)
+    elif case == "instance_conv_forward":
+        block.conv1._conv_forward = lambda x, w, b: None
+    elif case == "global_hook":
+        undo = torch.nn.modules.module.register_module_forward_hook(lambda *_: None).remove
+    return block, SimpleNamespace(is_cuda=True, requires_grad=case == "grad"), undo
+
+
+FOLDS = {"plain": True, "accelerate_hook_removed": True, "bias_none": False, "groups": False, "bias_dtype": False,
+         "conv1_hook": False, "norm2_forward_hook": False, "norm2_instance_forward": False, "accelerate_hook": False,
+         "class_forward": False, "instance_conv_forward": False, "global_hook": False, "grad": False, "cpu": False}
+
+
+@pytest.mark.parametrize("case", FOLDS)
+def test_conv1_bias_folds_only_where_stock_values_follow(case):
+    """conv1's bias joins norm2 only where the convolution without it plus the kernels' add give stock's values and
+    nothing else would see the difference: a plain nn.Conv2d with PyTorch's forward, no hooks or instance forwards on
+    conv1 or norm2 (accelerate's removed hook leaves the bound class forward: still folds), a bias of the weight's
+    dtype, no gradient recorded, a CUDA input."""
+    block, x, undo = _fold_case(case)
+    if case == "cpu":
+        x = randn(2, 32, 8, 8)
+    try:
+        with torch.set_grad_enabled(case == "grad"):
+            assert rules.resnet.conv1_bias_folds(block, x) == FOLDS[case]
+        with torch.backends.cudnn.flags(enabled=False):
+            assert not rules.resnet.conv1_bias_folds(block, x)
+    finally:
+        undo()
+
+
+def test_resnet_block_norm2_forward_hooks_see_stocks_input(host_path):
+    """A forward hook on norm2 sees the input stock's norm2 gets, hidden_states + temb: the block keeps the add."""
+    block = make_resnet()
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    seen = []
+    for model in (block, patched):
+        model.norm2.register_forward_hook(lambda module, args, output: seen.append(args[0].clone()))
+    x, temb = randn(2, 32, 8, 8), randn(2, 16, seed=1)
+    with torch.no_grad():
+        assert_same_outputs(patched(x, temb), block(x, temb), 1e-5)
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-6)
 
 
 # time_embedding_norm of the blocks: "default" with a timestep (UNets) or without (VAE encoders, the VAE decoders' mid

@@ -9,7 +9,7 @@ from diffusers.models.normalization import AdaGroupNorm
 from diffusers.models.resnet import Conv1dBlock, ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
 
 from ..ops import _group_norm_act
-from .base import Surgery, rule, stands_in_for, verified
+from .base import Surgery, is_bound_class_forward, rule, stands_in_for, verified
 from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 
 # The residual sum's division by output_scale_factor, skipped where that is 1.0.
@@ -17,49 +17,70 @@ RESIDUAL_SUM = unscaled("output_tensor = (input_tensor + hidden_states) / self.o
 
 
 def conv1_without_bias(block: ResnetBlock2D, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(block.conv1(hidden_states), None)``; or, where norm2 can add conv1's bias itself with stock's values and
-    that saves work, ``(conv1(hidden_states) without its bias, the bias (C,) in the output's dtype)``, for norm2's
-    input_bias.
-
-    On CUDA, PyTorch adds a cuDNN convolution's bias in a pass of its own over the output (at::_convolution's
-    ``output.add_(bias)``); the kernels add it as they load the output, rounded as that add rounds (and before the
-    timestep embedding, where the block adds one), so norm2 sees the values stock computes. Folded only where that
-    holds: a CUDA input with cuDNN enabled, conv1 a plain nn.Conv2d (groups 1: no depthwise kernel, which adds the
-    bias itself) with a bias that a call would run as is (no hooks of its own or global ones, no forward set on the
-    instance: accelerate's and diffusers' offloading, FSDP; a LoRA layer is another class); norm2 without forward
-    pre-hooks (they see the sum, as in stock); no gradient recorded (a training step gains nothing: the adds are
-    PyTorch's there); not while torch.compile or torch.export traces (their graphs place the bias themselves).
-    """
+    """``(block.conv1(hidden_states), None)``; or, where norm2 can add conv1's bias itself with stock's values
+    (conv1_bias_folds), ``(conv1(hidden_states) without its bias, the bias (C,) in the output's dtype)``, for
+    norm2's input_bias."""
     conv = block.conv1
-    if not (hidden_states.is_cuda and type(conv) is nn.Conv2d and conv.bias is not None and conv.groups == 1
-            and not torch.compiler.is_compiling() and torch.backends.cudnn.enabled and _runs_forward_only(conv)
-            and not (block.norm2._forward_pre_hooks or torch_module._global_forward_pre_hooks)
-            and not (torch.is_grad_enabled()
-                     and (hidden_states.requires_grad or conv.weight.requires_grad or conv.bias.requires_grad))):
+    if not conv1_bias_folds(block, hidden_states):
         return conv(hidden_states), None
     output = conv._conv_forward(hidden_states, conv.weight, None)
     return output, conv.bias.to(output.dtype)  # autocast casts a convolution's bias likewise
 
 
-def _runs_forward_only(module: nn.Module) -> bool:
-    """Calling ``module`` would run its class's forward and nothing else (torch.nn.Module._call_impl's fast path)."""
+def conv1_bias_folds(block: ResnetBlock2D, hidden_states: torch.Tensor) -> bool:
+    """Whether norm2's kernels can add conv1's bias with stock's values, and it saves work.
+
+    On CUDA, PyTorch adds a cuDNN convolution's bias in a pass of its own over the output (at::_convolution's
+    ``output.add_(bias)``); the kernels add it as they load the output, rounded as that add rounds (and before the
+    timestep embedding, where the block adds one), so norm2 sees the values stock computes. Folded only where that
+    holds: a CUDA input with cuDNN enabled; conv1 a plain nn.Conv2d (groups 1: no depthwise kernel, which adds the
+    bias itself) whose forward and _conv_forward are PyTorch's (LoRA loaders replace them on the class), with a bias
+    of the weight's dtype (else stock's call raises); conv1 and norm2 run as they are (no hooks of their own or
+    global ones, no forward set on the instance: accelerate's and diffusers' offloading, FSDP; norm2's hooks see
+    its input as in stock); no gradient recorded (a training step gains nothing: the adds are PyTorch's there); not
+    while torch.compile or torch.export traces (their graphs place the bias themselves).
+    """
+    conv = block.conv1
+    return (hidden_states.is_cuda and type(conv) is nn.Conv2d and conv.bias is not None and conv.groups == 1
+            and conv.bias.dtype == conv.weight.dtype and _pytorch_conv2d(conv) and not torch.compiler.is_compiling()
+            and torch.backends.cudnn.enabled and runs_forward_only(conv) and runs_forward_only(block.norm2)
+            and not (torch.is_grad_enabled()
+                     and (hidden_states.requires_grad or conv.weight.requires_grad or conv.bias.requires_grad)))
+
+
+def _pytorch_conv2d(conv: nn.Conv2d) -> bool:
+    """nn.Conv2d's forward and _conv_forward are PyTorch's own, and ``conv`` replaces neither."""
+    return ("_conv_forward" not in conv.__dict__
+            and getattr(nn.Conv2d.forward, "__module__", None) == "torch.nn.modules.conv"
+            and getattr(nn.Conv2d._conv_forward, "__module__", None) == "torch.nn.modules.conv")
+
+
+def runs_forward_only(module: nn.Module) -> bool:
+    """Calling ``module`` would run its class's forward and nothing else (torch.nn.Module._call_impl's fast path):
+    no hooks of its own or global ones, no forward set on the instance but the bound class forward that
+    accelerate's remove_hook_from_module leaves."""
+    own = module.__dict__.get("forward")
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__
+                or module._backward_pre_hooks or (own is not None and not is_bound_class_forward(own, module))
                 or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
                 or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+
+
+def norm2_hooked(block: ResnetBlock2D) -> bool:
+    """norm2's call would do more than its forward (hooks, an instance forward): it must see stock's input."""
+    return not runs_forward_only(block.norm2)
 
 
 # conv1's bias (conv1_without_bias) and, in time_embedding_norm="default" blocks, the timestep embedding (N, C, 1, 1),
 # added to conv1's output before norm2, become norm2's input_bias and input_offset: the kernels add them as they load
 # the output, which saves a pass over the block's tensor (a read and a write) and a launch each. Where norm2 has
-# forward pre-hooks (its own or global ones, registered before or after patching) they see the sums, as in stock:
-# the adds stay. The other branches ("scale_shift", whose modulation joins the call too, and "group", the VAE
-# decoders') normalise conv1's output directly.
+# hooks (its own or global ones, registered before or after patching) or a forward set on the instance, it gets the
+# sums, as in stock: the adds stay. The other branches ("scale_shift", whose modulation joins the call too, and
+# "group", the VAE decoders') normalise conv1's output directly.
 TEMB_OFFSET = {
     "hidden_states = self.conv1(hidden_states)": "hidden_states, conv1_bias = self.conv1_without_bias(hidden_states)",
     "if temb is not None:\n    hidden_states = hidden_states + temb\nhidden_states = self.norm2(hidden_states)":
-        "if temb is not None and (self.norm2._forward_pre_hooks or "
-        "torch.nn.modules.module._global_forward_pre_hooks):\n"
+        "if temb is not None and self.norm2_hooked():\n"
         "    hidden_states = hidden_states + temb\n"
         "    hidden_states = self.norm2(hidden_states)\n"
         "else:\n"
@@ -88,7 +109,7 @@ TEMB_OFFSET = {
 fusion(ResnetBlock2D, "eda498bf0236feb0",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"}, modulated={"norm2"},
        modulated_if=lambda block: block.time_embedding_norm == "scale_shift", rewrites={**RESIDUAL_SUM, **TEMB_OFFSET},
-       helpers={"conv1_without_bias": conv1_without_bias})
+       helpers={"conv1_without_bias": conv1_without_bias, "norm2_hooked": norm2_hooked})
 # The 5-D blocks of Stable Video Diffusion.
 fusion(TemporalResnetBlock, "7c1ebea7613ebc9f",
        activations={"norm1": "self.nonlinearity", "norm2": "self.nonlinearity"})

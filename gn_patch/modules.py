@@ -30,8 +30,9 @@ class GroupNormAct(nn.GroupNorm):
     ``forward(x, scale=None, shift=None, input_offset=None, input_bias=None)``: x is (N, C, *spatial); the optional
     per-sample scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``;
     ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) and ``input_bias`` (the (C,) bias of the
-    convolution that produced x, left out of it) give ``act(GroupNorm((x + input_bias) + input_offset))``, the sums
-    formed as the kernels load x. See gn_patch.group_norm_act.
+    convolution that produced x, left out of it) give
+    ``act(GroupNorm((x + input_bias.view(1, C, 1, ...)) + input_offset))``, the sums formed as the kernels load x.
+    See gn_patch.group_norm_act.
 
     Raises:
         TypeError: num_groups not an int, eps not a number.

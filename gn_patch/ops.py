@@ -410,7 +410,8 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
                    scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                    input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
     """GroupNorm (Wu & He, 2018), an optional per-sample modulation, then an activation:
-    ``act(F.group_norm((x + input_bias) + input_offset, num_groups, weight, bias, eps) * (1 + scale) + shift)``.
+    ``act(F.group_norm((x + input_bias.view(1, C, 1, ...)) + input_offset, num_groups, weight, bias, eps)
+    * (1 + scale) + shift)``.
 
     Args:
         x: (N, C, *spatial) with 0 to 3 spatial dims, float16/bfloat16/float32 (any floating dtype on the

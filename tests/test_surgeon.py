@@ -19,7 +19,9 @@ from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 from diffusers.models.normalization import AdaGroupNorm
 from diffusers.models.resnet import ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
+from diffusers.models.transformers.transformer_temporal import TransformerTemporalModel
 from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1100,6 +1102,39 @@ def test_transformer_output_layout_patch_is_undone():
     assert any(type(m).__qualname__ == "_ChannelsLastTransformer2DModel" for m in model.modules())
     unpatch_model(model)
     assert module_types(model) == before
+
+
+TEMPORAL_TRANSFORMERS = {
+    "AnimateDiffTransformer3D": lambda: make_model(
+        AnimateDiffTransformer3D, dict(num_attention_heads=2, attention_head_dim=16, in_channels=32, norm_num_groups=8,
+                                       positional_embeddings="sinusoidal", num_positional_embeddings=8)),
+    "TransformerTemporalModel": lambda: make_model(
+        TransformerTemporalModel, dict(num_attention_heads=2, attention_head_dim=16, in_channels=32, norm_num_groups=8)),
+}
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+@pytest.mark.parametrize("name", TEMPORAL_TRANSFORMERS)
+def test_temporal_transformer_adds_the_residual_to_its_output_rows(name, channels_last):
+    """From channels-last input the residual is added to proj_out's rows in place of stock's `.contiguous()` copy and
+    second pass: the same values (bitwise: the norm takes PyTorch's path on the CPU), the residual's layout; from
+    NCHW input stock's statements run."""
+    model = TEMPORAL_TRANSFORMERS[name]()
+    x = randn(2 * 3, 32, 4, 5)
+    x = x.to(memory_format=torch.channels_last) if channels_last else x
+    sample = (lambda out: out) if name == "AnimateDiffTransformer3D" else (lambda out: out.sample)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    with torch.no_grad():
+        expected = sample(model(x, num_frames=3))
+        with OpCounter() as stock_ops:
+            model(x, num_frames=3)
+        with OpCounter() as patched_ops:
+            actual = sample(patched(x, num_frames=3))
+    assert torch.equal(actual, expected)
+    assert is_channels_last(actual) == channels_last
+    copies = stock_ops.calls["aten::clone"] - patched_ops.calls["aten::clone"]
+    assert copies == (1 if channels_last else 0), (stock_ops.calls, patched_ops.calls)
 
 
 def test_unpatching_a_lone_fused_norm_is_refused():

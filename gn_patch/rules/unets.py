@@ -56,16 +56,21 @@ fusion(ResnetBlock2DDreamLite, "638519721cbc8643",
        rewrites=RESIDUAL_SUM)
 
 # The temporal transformers (AnimateDiff's motion modules, UNet3D's and I2VGen-XL's temp_attentions): norm ->
-# permute/reshape -> proj_in (a Linear). Their output is written (B, F, C, H, W): an NCHW copy that the next layers
-# convert back. From channels-last input they write it (B, F, H, W, C) instead: the same values, and the
-# (B·F, C, H, W) view that follows is channels_last.
+# permute/reshape -> proj_in (a Linear). Stock writes their output (B, F, C, H, W) (`.contiguous()`, an NCHW copy
+# that the next layers convert back), then adds the residual in a second pass. From channels-last input the
+# residual is added to the (B, F, C, H, W) view of proj_out's (B·H·W, F, C) rows directly: one pass, its output in
+# the residual's layout (channels_last). The same sums: float addition is commutative.
 _TEMPORAL_OUTPUT = {
     "hidden_states = hidden_states[None, None, :].reshape(batch_size, height, width, num_frames, channel)"
-    ".permute(0, 3, 4, 1, 2).contiguous()":
+    ".permute(0, 3, 4, 1, 2).contiguous()\n"
+    "hidden_states = hidden_states.reshape(batch_frames, channel, height, width)\n"
+    "output = hidden_states + residual":
         "hidden_states = hidden_states[None, None, :].reshape(batch_size, height, width, num_frames, channel)"
-        ".permute(0, 3, 1, 2, 4).contiguous().permute(0, 1, 4, 2, 3) if residual.stride(1) == 1 else "
-        "hidden_states[None, None, :].reshape(batch_size, height, width, num_frames, channel)"
-        ".permute(0, 3, 4, 1, 2).contiguous()"}
+        ".permute(0, 3, 4, 1, 2)\n"
+        "if residual.stride(1) == 1:\n"
+        "    output = (residual.unflatten(0, (batch_size, num_frames)) + hidden_states).flatten(0, 1)\n"
+        "else:\n"
+        "    output = hidden_states.contiguous().reshape(batch_frames, channel, height, width) + residual"}
 fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, rewrites=_TEMPORAL_OUTPUT)
 fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, rewrites=_TEMPORAL_OUTPUT)
 

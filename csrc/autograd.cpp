@@ -32,7 +32,7 @@ const auto& forward_op() {
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const OptTensor&,
                                                                 const OptTensor&, const OptTensor&, int64_t, double,
                                                                 c10::string_view, const OptTensor&,
-                                                                const OptTensor&)>();
+                                                                const OptTensor&, bool)>();
   return op;
 }
 
@@ -116,10 +116,11 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& weight,
                                const OptTensor& bias, const OptTensor& scale, const OptTensor& shift,
-                               int64_t num_groups, double eps, c10::string_view activation) {
+                               int64_t num_groups, double eps, c10::string_view activation, bool frames_last) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, mean, rstd] =
-        forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, std::nullopt, std::nullopt);
+    // With frames_last, y's layout differs from x's: the backward op takes the gradient in x's layout (a copy).
+    auto [y, mean, rstd] = forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, std::nullopt,
+                                             std::nullopt, frames_last);
     // Only the tensors given are saved (undefined entries did not survive AOT tracing's saved-tensor handling);
     // the mask records which.
     variable_list saved = {x, mean, rstd};
@@ -154,7 +155,7 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
       if (params[i]) mask[i + 1] = ctx->needs_input_grad(edge++);
     }
     const at::Tensor& grad_y = grads[0];
-    variable_list result(8);
+    variable_list result(9);
     if (!grad_y.defined()) return result;
     if (at::GradMode::is_enabled()) {
       // create_graph=True (double backward, gradient penalties): the gradients must themselves be differentiable.
@@ -193,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                                                                        const OptTensor& shift, int64_t num_groups,
                                                                        double eps, c10::string_view activation,
                                                                        const OptTensor& input_offset,
-                                                                       const OptTensor& input_bias) {
+                                                                       const OptTensor& input_bias, bool frames_last) {
   // Nothing to record (no_grad, as diffusers' pipelines run, or no input needing a gradient): the op runs below
   // autograd without the Function's node and saved state. Forward-mode AD keeps the Function, which refuses it.
   const std::array<const OptTensor*, 6> params = {&weight, &bias, &scale, &shift, &input_offset, &input_bias};
@@ -208,7 +209,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                                           }));
   if (!needs_grad && !forward_ad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias);
+    return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias,
+                             frames_last);
   }
   if (input_offset.has_value() || input_bias.has_value()) {
     // Recorded as PyTorch's adds, whose backward sums the gradient over the positions each term broadcasts over: the
@@ -216,9 +218,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
     // does not.
     check_input_terms(x, input_offset, input_bias);
     return group_norm_act_autograd(with_input_terms(x, input_offset, input_bias), weight, bias, scale, shift,
-                                   num_groups, eps, activation, std::nullopt, std::nullopt);
+                                   num_groups, eps, activation, std::nullopt, std::nullopt, frames_last);
   }
-  const variable_list out = GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation);
+  const variable_list out =
+      GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation, frames_last);
   return {out[0], out[1], out[2]};
 }
 
@@ -292,7 +295,7 @@ bool term_fusable(const at::Tensor& t, const at::Tensor& x, bool per_sample) {
 at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, const OptTensor& weight,
                                    const OptTensor& bias, double eps, c10::string_view activation,
                                    const OptTensor& scale, const OptTensor& shift, const OptTensor& input_offset,
-                                   const OptTensor& input_bias) {
+                                   const OptTensor& input_bias, bool frames_last) {
   // Terms the kernels do not add (another dtype or device, an offset of another shape: broadcasting and type
   // promotion) are added as `(x + input_bias) + input_offset` is in PyTorch, errors included; both, to keep the order.
   if ((input_offset.has_value() && !term_fusable(*input_offset, x, /*per_sample=*/true)) ||
@@ -308,7 +311,7 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
     }
     if (input_offset.has_value()) sum = at::add(sum, *input_offset);
     return group_norm_act_dispatch(sum, num_groups, weight, bias, eps, activation, scale, shift, std::nullopt,
-                                   std::nullopt);
+                                   std::nullopt, frames_last);
   }
   const Act act = parse_activation(activation);
   check_num_groups(num_groups);
@@ -317,12 +320,14 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
                    "gn_patch.group_norm_act: x must be a floating-point tensor, got " + dtype_str(x.scalar_type()));
   const OptTensor scale_b = broadcastable(scale, x, "scale"), shift_b = broadcastable(shift, x, "shift");
   check_values_per_group(x, num_groups);
+  check_frames_last(x, frames_last);
   if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
     return std::get<0>(forward_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps,
-                                         activation, per_sample(input_offset), input_bias));
+                                         activation, per_sample(input_offset), input_bias, frames_last));
   }
-  return pytorch_path(with_input_terms(x, per_sample(input_offset), input_bias), num_groups, weight, bias, eps, act,
-                      scale_b, shift_b);
+  const at::Tensor y = pytorch_path(with_input_terms(x, per_sample(input_offset), input_bias), num_groups, weight,
+                                    bias, eps, act, scale_b, shift_b);
+  return frames_last ? empty_frames_last(y).copy_(y) : y;
 }
 
 }  // namespace

@@ -403,6 +403,14 @@ __device__ __forceinline__ int64_t thread_row(const Geometry& g, const BlockCoor
   return b.row_begin + b.rowlane + u * g.block_rows;
 }
 
+// The row of y that row r of x (of the same image) is written to: r, or r transposed as Geometry::frames says.
+// r < S < 2^31 where frames > 1 (ops.cpp), as FastDivider needs.
+__device__ __forceinline__ int64_t output_row(const Geometry& g, int64_t r) {
+  if (g.frames == 1) return r;
+  const uint32_t f = g.div_frame_rows.div((uint32_t)r);
+  return (int64_t)((uint32_t)r - f * g.div_frame_rows.divisor) * g.frames + f;
+}
+
 // Loads this thread's rows u0, u0 + 1, ... (< rows) of its visit order into packs.
 template <typename T, int V, int U>
 __device__ __forceinline__ void load_rows(Pack<T, V> (&packs)[U], const T* base, const Geometry& g,

@@ -235,7 +235,7 @@ __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geome
     offset.add_to(batch);
 #pragma unroll
     for (int u = 0; u < kStreamUnroll; ++u) {
-      if (u0 + u < rows) normalize_pack<T, V, A>(batch[u], y + thread_row(g, b, u0 + u) * g.C, l);
+      if (u0 + u < rows) normalize_pack<T, V, A>(batch[u], y + output_row(g, thread_row(g, b, u0 + u)) * g.C, l);
     }
   }
 }
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     if (g.resident) {
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
-        if (u < rows) normalize_pack<T, V, A>(packs[u], y + thread_row(g, b, u) * g.C, l);
+        if (u < rows) normalize_pack<T, V, A>(packs[u], y + output_row(g, thread_row(g, b, u)) * g.C, l);
       }
     } else {
       normalize_streamed<T, V, A>(x, y, g, b, rows, l, offset);

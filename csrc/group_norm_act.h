@@ -114,6 +114,11 @@ struct Geometry {
   // The forward's normalising pass reads streamed rows again last first: set where the tensor outgrows L2, whose
   // most recently read rows are then the only ones still there.
   bool reread_reversed = false;
+  // Forward only: where frames > 1 (the op's frames_last), an image's rows, x's (F, H, W) positions in order, are
+  // written to y transposed as a (frames, S / frames) matrix: row f * (S / frames) + p (frame f, position p of the
+  // H * W) goes to y's row p * frames + f, y's memory then being (N, H, W, F, C). div_frame_rows divides by S / frames.
+  int64_t frames = 1;
+  FastDivider div_frame_rows;
   // Dividers by splits, tiles, images, tile_vecs, vecs_per_group (1 when straddle), block_rows and, when straddle,
   // D (else 1) (geometry.cpp's with_dividers).
   FastDivider div_splits, div_tiles, div_images, div_tile_vecs, div_vecs_per_group, div_block_rows, div_D;

@@ -207,6 +207,19 @@ inline at::Tensor with_input_terms(const at::Tensor& x, const std::optional<at::
   return input_offset.has_value() ? at::add(sum, input_offset->view_symint(shape)) : sum;
 }
 
+// frames_last: the output of a 5-D input (N, C, F, H, W) returned with its memory in (N, H, W, F, C) order.
+inline void check_frames_last(const at::Tensor& x, bool frames_last) {
+  TORCH_CHECK_VALUE(!frames_last || x.dim() == 5, "gn_patch: frames_last needs a 5-D input (N, C, F, H, W), got shape " +
+                                                      shape_str(x.sym_sizes()));
+}
+
+// An uninitialised tensor of 5-D x's shape, dtype and device whose memory is in (N, H, W, F, C) order: what a
+// frames_last call returns (gn_patch/ops.py's _empty_frames_last).
+inline at::Tensor empty_frames_last(const at::Tensor& x) {
+  const c10::SymIntArrayRef s = x.sym_sizes();
+  return at::empty_symint({s[0], s[3], s[4], s[2], s[1]}, x.options()).permute({0, 4, 3, 1, 2});
+}
+
 inline void check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mean,
                                   const at::Tensor& rstd, int64_t num_groups) {
   TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes() && grad_out.scalar_type() == x.scalar_type() &&

@@ -105,20 +105,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
     c10::string_view activation, const std::optional<at::Tensor>& input_offset,
-    const std::optional<at::Tensor>& input_bias) {
+    const std::optional<at::Tensor>& input_bias, bool frames_last) {
   check_inputs(input, weight, bias, scale, shift, num_groups);
   check_input_terms(input, input_offset, input_bias);
+  check_frames_last(input, frames_last);
   check_eps(eps);
   const Act act = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t N = input.size(0);
   const bool supported = kernel_supports_group_size(input.size(1) / num_groups, (int)input.element_size());
   const bool adds = input_offset.has_value() || input_bias.has_value();
-  if (adds && N > 0 && !(supported && fuses_input_offset(act))) {
+  const bool adds_itself = !adds || (supported && fuses_input_offset(act));
+  if (frames_last && !(N > 0 && supported && adds_itself && spatial_size(input) <= INT32_MAX)) {
+    // The kernels write frames_last rows where they compute y themselves (output_row's 32-bit rows); elsewhere y is
+    // computed in x's layout and copied.
+    auto [y, mean, rstd] = group_norm_act_cuda(input, weight, bias, scale, shift, num_groups, eps, activation,
+                                               input_offset, input_bias, false);
+    return {empty_frames_last(input).copy_(y), mean, rstd};
+  }
+  if (N > 0 && !adds_itself) {
     // Kernels that do not add them: (x + bias) + offset with PyTorch's adds (the kernels' rounding), y in x's layout
     // (as empty_like(input) would have it: input's strides where it is dense).
     auto [y, mean, rstd] = group_norm_act_cuda(with_input_terms(input, input_offset, input_bias), weight, bias, scale,
-                                               shift, num_groups, eps, activation, std::nullopt, std::nullopt);
+                                               shift, num_groups, eps, activation, std::nullopt, std::nullopt, false);
     const bool same_layout = input.is_non_overlapping_and_dense() && y.strides() == input.strides();
     return {same_layout ? y : at::empty_like(input).copy_(y), mean, rstd};
   }
@@ -129,12 +138,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   if (!supported) return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
 
   const at::Tensor x = kernel_layout(input, num_groups);
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = frames_last ? empty_frames_last(x) : at::empty_like(x);
   const auto weight_d = dense(weight), bias_d = dense(bias), scale_d = dense(scale), shift_d = dense(shift);
   const auto offset_d = aligned(input_offset), input_bias_d = aligned(input_bias);
   ForwardArgs a;
   a.geo = geometry(Pass::kForward, x, num_groups, act,
                    {x.const_data_ptr(), y.const_data_ptr(), data_or_null(offset_d), data_or_null(input_bias_d)});
+  if (frames_last && x.size(2) > 1) {
+    a.geo.frames = x.size(2);
+    a.geo.div_frame_rows = FastDivider::of((uint32_t)(x.size(3) * x.size(4)));
+  }
   a.dtype = scalar_kind(x);
   a.act = act;
   a.x = x.const_data_ptr();
@@ -159,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
     a.group_stats = a.partials + n_partials;
   }
   launch_forward(a, c10::cuda::getCurrentCUDAStream());
-  if (!x.is_same(input)) y = at::empty_like(input).copy_(y);  // the layout the fake function promises
+  if (!frames_last && !x.is_same(input)) y = at::empty_like(input).copy_(y);  // the layout the fake function promises
   return {y, mean, rstd};
 }
 

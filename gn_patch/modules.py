@@ -31,7 +31,8 @@ class GroupNormAct(nn.GroupNorm):
     per-sample scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``;
     ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) and ``input_bias`` (the (C,) bias of the
     convolution that produced x, left out of it) give
-    ``act(GroupNorm((x + input_bias.view(1, C, 1, ...)) + input_offset))``, the sums formed as the kernels load x.
+    ``act(GroupNorm((x + input_bias.view(1, C, 1, ...)) + input_offset))``, the sums formed as the kernels load x;
+    ``frames_last=True`` returns the output of a 5-D (N, C, F, H, W) input with its memory in (N, H, W, F, C) order.
     See gn_patch.group_norm_act.
 
     Raises:
@@ -72,9 +73,10 @@ class GroupNormAct(nn.GroupNorm):
         super().__setattr__(name, canonical_activation(value) if name == "activation" else value)
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
+                input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None,
+                frames_last: bool = False) -> torch.Tensor:
         return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift,
-                               input_offset, input_bias)
+                               input_offset, input_bias, frames_last)
 
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript (its forward chooses between the CUDA kernels "

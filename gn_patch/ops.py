@@ -4,14 +4,14 @@ Ops (schemas, fake functions and CPU reference implementations here; CUDA kernel
 compiled extension, csrc/, loaded on first use by gn_patch.extension):
 
 * ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
-  input_bias=None) -> (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last inputs through a
-  channels-last copy); CPU: the reference implementation (same formulas, float32 statistics).
+  input_bias=None, frames_last=False) -> (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last
+  inputs through a channels-last copy); CPU: the reference implementation (same formulas, float32 statistics).
 * ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
 * ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift,
-  input_offset=None, input_bias=None) -> y``: what :func:`group_norm_act` and ``GroupNormAct.forward`` call, once
-  per call: it sends what the kernels take (channels-last CUDA inputs) to ``group_norm_act`` and computes
-  everything else exactly as PyTorch's ``(x + input_bias) + input_offset``, ``F.group_norm``,
-  ``* (1 + scale) + shift`` and the activation do, in C++.
+  input_offset=None, input_bias=None, frames_last=False) -> y``: what :func:`group_norm_act` and
+  ``GroupNormAct.forward`` call, once per call: it sends what the kernels take (channels-last CUDA inputs) to
+  ``group_norm_act`` and computes everything else exactly as PyTorch's ``(x + input_bias) + input_offset``,
+  ``F.group_norm``, ``* (1 + scale) + shift`` and the activation do, in C++.
 
 Until the extension is loaded (it is built on the first CUDA input; CPU-only installs never build it), the public
 function computes PyTorch's path in Python.
@@ -46,7 +46,8 @@ _ALIASES = {"swish": "silu", "none": "identity", None: "identity"}
 _lib = torch.library.Library("gn_patch", "DEF")
 _lib.define(
     "group_norm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, int num_groups, float eps,"
-    " str activation, Tensor? input_offset=None, Tensor? input_bias=None) -> (Tensor y, Tensor mean, Tensor rstd)"
+    " str activation, Tensor? input_offset=None, Tensor? input_bias=None, bool frames_last=False)"
+    " -> (Tensor y, Tensor mean, Tensor rstd)"
 )
 _lib.define(
     "group_norm_act_backward(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift,"
@@ -55,7 +56,8 @@ _lib.define(
 )
 _lib.define(
     "group_norm_act_dispatch(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation,"
-    " Tensor? scale, Tensor? shift, Tensor? input_offset=None, Tensor? input_bias=None) -> Tensor"
+    " Tensor? scale, Tensor? shift, Tensor? input_offset=None, Tensor? input_bias=None, bool frames_last=False)"
+    " -> Tensor"
 )
 _DISPATCH = torch.ops.gn_patch.group_norm_act_dispatch.default
 
@@ -123,6 +125,18 @@ def _param_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _sample_view(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return p.view(p.shape[0], p.shape[1], *([1] * (x.dim() - 2)))
+
+
+def _empty_frames_last(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of 5-D x's shape, dtype and device whose memory is in (N, H, W, F, C) order: what a
+    ``frames_last`` call returns (csrc/op_checks.h's empty_frames_last)."""
+    n, c, f, h, w = x.shape
+    return x.new_empty((n, h, w, f, c)).permute(0, 4, 3, 1, 2)
+
+
+def _check_frames_last(x, frames_last):
+    if frames_last and x.dim() != 5:  # a plain test: torch.compile traces the Python path through it
+        raise ValueError(f"gn_patch: frames_last needs a 5-D input (N, C, F, H, W), got shape {list(x.shape)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,12 +224,13 @@ def _check_backward_inputs(grad_out, x, mean, rstd, num_groups, output_mask):
 # ------------------------------------------------------------------------------------------------
 @torch.library.register_fake("gn_patch::group_norm_act")
 def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
-                         input_bias=None):
+                         input_bias=None, frames_last=False):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
     _check_input_terms(x, input_offset, input_bias)
+    _check_frames_last(x, frames_last)
     check_eps(eps)
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
-    return torch.empty_like(x), stats, torch.empty_like(stats)
+    return _empty_frames_last(x) if frames_last else torch.empty_like(x), stats, torch.empty_like(stats)
 
 
 def _grad_outputs(x, weight, bias, scale, shift, output_mask):
@@ -269,14 +284,15 @@ def _modulated(v, m, shift):
 
 @torch.library.impl("gn_patch::group_norm_act", "CPU")
 def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
-                              input_bias=None):
+                              input_bias=None, frames_last=False):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
     _check_input_terms(x, input_offset, input_bias)
+    _check_frames_last(x, frames_last)
     check_eps(eps)
+    y = _empty_frames_last(x) if frames_last else torch.empty_like(x)
     if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
-        return torch.empty_like(x), stats, torch.empty_like(stats)
-    y = torch.empty_like(x)
+        return y, stats, torch.empty_like(stats)
     x = _with_input_terms(x, input_offset, input_bias)  # the sums in x's dtype, as the kernels form them
     acc = x.to(_stats_dtype(x)).reshape(x.shape[0], num_groups, -1)
     var, mean = torch.var_mean(acc, dim=-1, unbiased=False)
@@ -340,14 +356,16 @@ def _safe_group_norm(x, num_groups, weight, bias, eps):
 
 
 def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shift=None, input_offset=None,
-                  input_bias=None):
+                  input_bias=None, frames_last=False):
     """Stock PyTorch: ``(x + input_bias) + input_offset``, F.group_norm, the per-sample modulation
-    ``* (1 + scale) + shift`` as diffusers writes it, then the activation. What the dispatching op computes for
-    the inputs the kernels do not take, before the extension is loaded. On the CPU, y has the layout PyTorch's CPU
-    kernel gives it (x's suggested memory format), stated here because the fake (meta) group_norm of torch 2.14
-    returns NCHW for channels-last input: torch.compile then traces the layout the real call returns."""
+    ``* (1 + scale) + shift`` as diffusers writes it, then the activation (copied to the frames_last layout where
+    asked). What the dispatching op computes for the inputs the kernels do not take, before the extension is loaded.
+    On the CPU, y has the layout PyTorch's CPU kernel gives it (x's suggested memory format), stated here because
+    the fake (meta) group_norm of torch 2.14 returns NCHW for channels-last input: torch.compile then traces the
+    layout the real call returns."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
+    _check_frames_last(x, frames_last)
     x = _add_input_bias(x, input_bias)
     if input_offset is not None:
         x = x + input_offset
@@ -361,7 +379,8 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shif
         y = y * (1 + scale)
     if shift is not None:
         y = y + shift
-    return ACTIVATIONS[activation](y)
+    y = ACTIVATIONS[activation](y)
+    return _empty_frames_last(y).copy_(y) if frames_last else y
 
 
 def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.Tensor:
@@ -391,7 +410,7 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
 
 
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
-                    input_offset=None, input_bias=None) -> torch.Tensor:
+                    input_offset=None, input_bias=None, frames_last: bool = False) -> torch.Tensor:
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
     if input_offset is not None and not isinstance(input_offset, torch.Tensor):
         # A Python number, as `hidden_states + temb` takes it (after the bias: the order of the adds).
@@ -401,14 +420,17 @@ def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: st
     if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
-        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias)
-    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias)
+        return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
+                         frames_last)
+    return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
+                         frames_last)
 
 
 def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, eps: float = 1e-5, activation: str | None = "silu", *,
                    scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                   input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
+                   input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None,
+                   frames_last: bool = False) -> torch.Tensor:
     """GroupNorm (Wu & He, 2018), an optional per-sample modulation, then an activation:
     ``act(F.group_norm((x + input_bias.view(1, C, 1, ...)) + input_offset, num_groups, weight, bias, eps)
     * (1 + scale) + shift)``.
@@ -436,10 +458,14 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             (PyTorch adds a cuDNN convolution's bias in a pass of its own; diffusers' resnet blocks compute
             ``norm2(conv1(h) + temb)``). Added by the kernels as input_offset is, in x's dtype, a second rounded add
             before it; another dtype or device promotes as PyTorch's add does.
+        frames_last: for a 5-D x (N, C, F, H, W), return y with its memory in (N, H, W, F, C) order (strides
+            (H·W·F·C, 1, C, W·F·C, F·C)) instead of x's: the order diffusers' temporal transformers read it in
+            (``y.permute(0, 3, 4, 2, 1).reshape(N·H·W, F, C)``, the input of their proj_in, is then a view). The
+            values are the same; the kernels write the rows there themselves, every other path copies.
 
     Returns:
         y with x's shape and dtype (on PyTorch's path under torch.autocast: autocast's float32). The kernels return
-        x's memory format; PyTorch's path returns what PyTorch returns.
+        x's memory format (or frames_last's); PyTorch's path returns what PyTorch returns (or frames_last's).
 
     CUDA inputs that are channels-last (channels_last, channels_last_3d, or a (B, C, L) tensor with channel
     stride 1) run gn_patch's fused NHWC kernels, with float32 statistics; every other input (CPU, MPS,
@@ -455,7 +481,7 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             tensor nor None; input_offset neither a tensor, a number nor None (PyTorch's add's message); num_groups
             not an int; eps not a number.
         ValueError: num_groups <= 0; eps negative, infinite or NaN; unknown activation; scale/shift of the wrong
-            shape; input_bias not of shape (C,).
+            shape; input_bias not of shape (C,); frames_last with an x that is not 5-D.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
@@ -465,4 +491,4 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,
-                           input_offset, input_bias)
+                           input_offset, input_bias, bool(frames_last))

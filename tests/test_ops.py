@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import gn_patch
+from gn_patch import extension
 from gn_patch.ops import ACTIVATIONS
 
 from .conftest import TOLERANCES
@@ -670,3 +671,78 @@ def test_compile_fullgraph_input_offset(dynamic, kernel_path_on_cpu):
     with torch.no_grad():
         assert_close(torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")(x, o, w), fn(x, o, w),
                      atol=1e-4, rtol=1e-5, what="no_grad")
+
+
+def _frames_last_strides(shape):
+    _, c, f, h, w = shape
+    return (h * w * f * c, 1, c, w * f * c, f * c)
+
+
+@pytest.mark.parametrize("path", ["python", "cpp", "kernel_path"])
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+def test_frames_last_returns_the_same_values_frames_innermost(path, layout, request, monkeypatch):
+    """frames_last=True: the output of a 5-D (N, C, F, H, W) input has its memory in (N, H, W, F, C) order on every
+    path, its values and gradients those of the call without it."""
+    if path == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("kernel_path_on_cpu" if path == "kernel_path" else "ext")
+    shape = (2, 8, 3, 4, 5)
+    x = random_input(shape, torch.float32, "cpu", layout=layout).requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    offset, bias = torch.randn(2, 8, 1, 1, 1), torch.randn(8)
+    results = []
+    for frames_last in (False, True):
+        y = gn_patch.group_norm_act(x, 4, w, b, activation="gelu", input_offset=offset, input_bias=bias,
+                                    frames_last=frames_last)
+        y.backward(torch.linspace(-1, 1, y.numel()).view(shape))
+        results.append((y.detach(), *(t.grad.clone() for t in (x, w, b))))
+        for t in (x, w, b):
+            t.grad = None
+    assert results[1][0].stride() == _frames_last_strides(shape)
+    for plain, frames in zip(*results):
+        torch.testing.assert_close(frames, plain, rtol=0, atol=0)
+    with torch.no_grad():
+        module = gn_patch.GroupNormAct(4, 8, activation=None)
+        assert module(x, frames_last=True).stride() == _frames_last_strides(shape)
+
+
+def test_frames_last_op_fake_and_opcheck(ext):
+    """The kernels' op and its fake function return the frames_last strides; opcheck compares them."""
+    x = random_input((2, 8, 3, 4, 5), torch.float32, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    for inputs in ((x, w, b), tuple(t.detach().to("meta") for t in (x, w, b))):
+        y = OP(*inputs, None, None, 4, 1e-5, "silu", None, None, True)[0]
+        assert y.shape == x.shape and y.stride() == _frames_last_strides(x.shape)
+    torch.library.opcheck(OP, (x, w, b, None, None, 4, 1e-5, "silu", None, None, True))
+    torch.library.opcheck(OP, (x, w, b, None, None, 4, 1e-5, "identity", torch.randn(2, 8), torch.randn(8), True))
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 3, 4), (2, 8, 12)])
+def test_frames_last_needs_5d_input(shape, host_path):
+    x = random_input(shape, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="frames_last needs a 5-D input"):
+        gn_patch.group_norm_act(x, 4, frames_last=True)
+    if host_path == "cpp":
+        for t in (x, x.to("meta")):
+            with pytest.raises(ValueError, match="frames_last needs a 5-D input"):
+                OP(t, None, None, None, None, 4, 1e-5, "silu", None, None, True)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_frames_last(dynamic, kernel_path_on_cpu):
+    """torch.compile(fullgraph=True) traces the frames_last layout through the dispatch, forward and backward."""
+    fn = lambda x, w: gn_patch.group_norm_act(x, 4, w, None, frames_last=True).permute(0, 3, 4, 2, 1)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for shape in [(2, 8, 3, 4, 4), (3, 8, 2, 5, 6)]:
+        x = random_input(shape, torch.float32, "cpu").requires_grad_(True)
+        w = affine(8)[0].requires_grad_(True)
+        y = compiled(x, w)
+        assert y.is_contiguous()
+        y.square().sum().backward()
+        got = [t.grad.clone() for t in (x, w)]
+        for t in (x, w):
+            t.grad = None
+        fn(x, w).square().sum().backward()
+        for g, t in zip(got, (x, w)):
+            assert_close(g, t.grad, atol=1e-5, rtol=1e-5, what="grad")

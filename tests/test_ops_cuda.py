@@ -314,6 +314,66 @@ def test_input_offset_gradients(case, dtype):
     assert torch.equal(fused, y.detach())
 
 
+# 5-D (N, C, F, H, W) inputs for frames_last, by the geometry the kernels choose for them.
+FRAMES_CASES = {
+    "motion_8x8": ((2, 1280, 16, 8, 8), 32),              # AnimateDiff's smallest motion module: rows resident
+    "motion_32x32": ((2, 640, 16, 32, 32), 32),           # clusters, rows streamed
+    "motion_straddling": ((2, 320, 16, 32, 32), 32),      # groups of 10: straddling 16-byte vectors (16-bit)
+    "motion_unclustered": ((1, 320, 4, 128, 128), 32),    # a 42 MB image (16-bit): three kernels
+    "rank5": CASES["rank5"],
+    "group_size_3": ((2, 96, 3, 7, 9), 32),               # scalar accesses
+    "one_frame": ((2, 64, 1, 8, 8), 32),                  # F = 1: the layout is x's
+    "one_position": ((2, 64, 5, 1, 1), 32),               # H = W = 1: the layout is x's too
+    "wide_group_aten": ((1, 4096, 2, 5, 4), 1),           # computed with ATen, then copied
+}
+
+
+def frames_last_strides(x):
+    _, c, f, h, w = x.shape
+    return (h * w * f * c, 1, c, w * f * c, f * c)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", FRAMES_CASES)
+def test_frames_last_writes_the_same_values_in_its_order(case, dtype, layout):
+    """frames_last: the output's memory is (N, H, W, F, C), so that proj_in's (N·H·W, F, C) rows are a view, and its
+    values are the op's bit for bit, with the activations and the input terms; the kernels write every element."""
+    shape, groups = FRAMES_CASES[case]
+    x = random_input(shape, dtype, "cuda", layout=layout)
+    w, b = affine(shape[1], dtype)
+    terms = (sample_offset(x), channel_bias(x))
+    for activation, offset, bias in (("identity", None, None), ("silu", None, None), ("silu", *terms)):
+        expected = OP(x, w, b, None, None, groups, 1e-5, activation, offset, bias)
+        poisoned(x)
+        y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, activation, offset, bias, True)
+        assert y.shape == x.shape and y.stride() == frames_last_strides(x)
+        torch.testing.assert_close(y, expected[0], rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(mean, expected[1]) and torch.equal(rstd, expected[2])
+    n, c, f, h, w_ = shape
+    rows = y.permute(0, 3, 4, 2, 1).reshape(n * h * w_, f, c)
+    assert rows.data_ptr() == y.data_ptr() and rows._base is not None  # a view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["motion_32x32", "motion_straddling", "group_size_3"])
+def test_frames_last_gradients(case, dtype):
+    """Under autograd the gradient arrives in the output's (N, H, W, F, C) order: the same gradients, bit for bit,
+    as without frames_last."""
+    shape, groups = FRAMES_CASES[case]
+    dy = random_input(shape, dtype, "cuda", scale=1.0, seed=5)
+    grads = []
+    for frames_last in (False, True):
+        x = random_input(shape, dtype, "cuda").requires_grad_(True)
+        w, b = (t.requires_grad_(True) for t in affine(shape[1], dtype))
+        y = gn_patch.group_norm_act(x, groups, w, b, activation="identity", frames_last=frames_last)
+        rows = y.permute(0, 3, 4, 2, 1).reshape(-1, shape[2], shape[1])  # as the temporal transformers read it
+        rows.backward(dy.permute(0, 3, 4, 2, 1).reshape(rows.shape))
+        grads.append((x.grad, w.grad, b.grad))
+    for plain, frames in zip(*grads):
+        assert torch.equal(plain, frames)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["sd_resnet", "vae_rows", "odd_channels_scalar_path"])
 def test_float32_params_with_half_input(case, dtype):

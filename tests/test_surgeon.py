@@ -1104,37 +1104,65 @@ def test_transformer_output_layout_patch_is_undone():
     assert module_types(model) == before
 
 
+_TEMPORAL = dict(num_attention_heads=2, attention_head_dim=16, in_channels=32, norm_num_groups=8)
 TEMPORAL_TRANSFORMERS = {
     "AnimateDiffTransformer3D": lambda: make_model(
-        AnimateDiffTransformer3D, dict(num_attention_heads=2, attention_head_dim=16, in_channels=32, norm_num_groups=8,
-                                       positional_embeddings="sinusoidal", num_positional_embeddings=8)),
-    "TransformerTemporalModel": lambda: make_model(
-        TransformerTemporalModel, dict(num_attention_heads=2, attention_head_dim=16, in_channels=32, norm_num_groups=8)),
+        AnimateDiffTransformer3D, dict(_TEMPORAL, positional_embeddings="sinusoidal", num_positional_embeddings=8)),
+    "TransformerTemporalModel": lambda: make_model(TransformerTemporalModel, _TEMPORAL),
 }
+
+
+def _copies(ops: OpCounter) -> int:
+    return ops.calls["aten::clone"] + ops.calls["aten::copy_"]
+
+
+def _run_temporal(model, x, name):
+    out = model(x, num_frames=3)
+    return out if name == "AnimateDiffTransformer3D" else out.sample
 
 
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
 @pytest.mark.parametrize("name", TEMPORAL_TRANSFORMERS)
-def test_temporal_transformer_adds_the_residual_to_its_output_rows(name, channels_last):
-    """From channels-last input the residual is added to proj_out's rows in place of stock's `.contiguous()` copy and
-    second pass: the same values (bitwise: the norm takes PyTorch's path on the CPU), the residual's layout; from
-    NCHW input stock's statements run."""
+def test_temporal_transformer_reads_and_writes_rows_in_place(name, channels_last):
+    """The norm returns its output frames_last (proj_in's (B·H·W, F, C) rows a view of it: on the CPU the op copies
+    instead of the reshape) and, from channels-last input, the residual is added to proj_out's rows in place of
+    stock's `.contiguous()` copy and second pass: the same values (bitwise: the norm takes PyTorch's path on the CPU),
+    the residual's layout, one copy fewer; from NCHW input stock's output statements run."""
     model = TEMPORAL_TRANSFORMERS[name]()
     x = randn(2 * 3, 32, 4, 5)
     x = x.to(memory_format=torch.channels_last) if channels_last else x
-    sample = (lambda out: out) if name == "AnimateDiffTransformer3D" else (lambda out: out.sample)
     patched = copy.deepcopy(model)
     patch_model(patched)
     with torch.no_grad():
-        expected = sample(model(x, num_frames=3))
         with OpCounter() as stock_ops:
-            model(x, num_frames=3)
+            expected = _run_temporal(model, x, name)
         with OpCounter() as patched_ops:
-            actual = sample(patched(x, num_frames=3))
+            actual = _run_temporal(patched, x, name)
     assert torch.equal(actual, expected)
     assert is_channels_last(actual) == channels_last
-    copies = stock_ops.calls["aten::clone"] - patched_ops.calls["aten::clone"]
+    copies = _copies(stock_ops) - _copies(patched_ops)
     assert copies == (1 if channels_last else 0), (stock_ops.calls, patched_ops.calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TEMPORAL_TRANSFORMERS)
+def test_temporal_transformer_copies_nothing_cuda(name):
+    """On CUDA, channels-last float16: the kernels write the norm's output in proj_in's row order, and the residual
+    joins proj_out's rows: the patched block makes two copies fewer than stock (the reshape before proj_in, the
+    `.contiguous()` after proj_out), its output within half-precision rounding of stock's."""
+    model = TEMPORAL_TRANSFORMERS[name]().cuda().half()
+    x = randn(2 * 3, 32, 8, 8).cuda().half().to(memory_format=torch.channels_last)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    with torch.no_grad():
+        with OpCounter() as stock_ops:
+            expected = _run_temporal(model, x, name)
+        with OpCounter() as patched_ops:
+            actual = _run_temporal(patched, x, name)
+    assert _copies(stock_ops) - _copies(patched_ops) == 2, (stock_ops.calls, patched_ops.calls)
+    assert patched_ops.calls["gn_patch::group_norm_act"] == 1
+    assert is_channels_last(actual)
+    assert rel_l2(actual, expected) < 2e-3
 
 
 def test_unpatching_a_lone_fused_norm_is_refused():

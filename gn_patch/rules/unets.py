@@ -56,11 +56,14 @@ fusion(ResnetBlock2DDreamLite, "638519721cbc8643",
        rewrites=RESIDUAL_SUM)
 
 # The temporal transformers (AnimateDiff's motion modules, UNet3D's and I2VGen-XL's temp_attentions): norm ->
-# permute/reshape -> proj_in (a Linear). Stock writes their output (B, F, C, H, W) (`.contiguous()`, an NCHW copy
-# that the next layers convert back), then adds the residual in a second pass. From channels-last input the
-# residual is added to the (B, F, C, H, W) view of proj_out's (B·H·W, F, C) rows directly: one pass, its output in
-# the residual's layout (channels_last). The same sums: float addition is commutative.
-_TEMPORAL_OUTPUT = {
+# permute/reshape -> proj_in (a Linear), which reads the norm's output as (B·H·W, F, C) rows: a copy, unless the
+# norm writes it in that order (frames_last: the kernels do, at no cost; elsewhere the op copies instead of the
+# reshape). Stock writes their output (B, F, C, H, W) (`.contiguous()`, an NCHW copy that the next layers convert
+# back), then adds the residual in a second pass. From channels-last input the residual is added to the
+# (B, F, C, H, W) view of proj_out's (B·H·W, F, C) rows directly: one pass, its output in the residual's layout
+# (channels_last). The same values: the norm's are only placed elsewhere, and float addition is commutative.
+_TEMPORAL_LAYOUT = {
+    "hidden_states = self.norm(hidden_states)": "hidden_states = self.norm(hidden_states, frames_last=True)",
     "hidden_states = hidden_states[None, None, :].reshape(batch_size, height, width, num_frames, channel)"
     ".permute(0, 3, 4, 1, 2).contiguous()\n"
     "hidden_states = hidden_states.reshape(batch_frames, channel, height, width)\n"
@@ -71,8 +74,8 @@ _TEMPORAL_OUTPUT = {
         "    output = (residual.unflatten(0, (batch_size, num_frames)) + hidden_states).flatten(0, 1)\n"
         "else:\n"
         "    output = hidden_states.contiguous().reshape(batch_frames, channel, height, width) + residual"}
-fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, rewrites=_TEMPORAL_OUTPUT)
-fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, rewrites=_TEMPORAL_OUTPUT)
+fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, rewrites=_TEMPORAL_LAYOUT)
+fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, rewrites=_TEMPORAL_LAYOUT)
 
 # Kandinsky 3: `self.norm(x) * (scale + 1.0) + shift` with a per-sample scale/shift from the timestep; its blocks
 # apply SiLU after it (Kandinsky3Block), or use it alone (Kandinsky3AttentionBlock: reshape, attention / a conv).

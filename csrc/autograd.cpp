@@ -305,9 +305,7 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
       TORCH_CHECK_VALUE(input_bias->dim() == 1 && x.dim() >= 2 && holds(input_bias->sym_size(0).sym_eq(x.sym_size(1))),
                         "gn_patch.group_norm_act: input_bias must have shape (C,) for input of shape " +
                             shape_str(x.sym_sizes()) + "; got " + shape_str(input_bias->sym_sizes()));
-      std::vector<c10::SymInt> shape(x.dim(), 1);
-      shape[1] = x.sym_size(1);
-      sum = at::add(sum, input_bias->view_symint(shape));
+      sum = with_input_terms(x, std::nullopt, input_bias);
     }
     if (input_offset.has_value()) sum = at::add(sum, *input_offset);
     return group_norm_act_dispatch(sum, num_groups, weight, bias, eps, activation, scale, shift, std::nullopt,

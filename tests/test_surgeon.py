@@ -1148,8 +1148,9 @@ def test_temporal_transformer_reads_and_writes_rows_in_place(name, channels_last
 @pytest.mark.parametrize("name", TEMPORAL_TRANSFORMERS)
 def test_temporal_transformer_copies_nothing_cuda(name):
     """On CUDA, channels-last float16: the kernels write the norm's output in proj_in's row order, and the residual
-    joins proj_out's rows: the patched block makes two copies fewer than stock (the reshape before proj_in, the
-    `.contiguous()` after proj_out), its output within half-precision rounding of stock's."""
+    joins proj_out's rows: the patched block copies nothing (stock: the reshape before proj_in, the `.contiguous()`
+    after proj_out, and its GroupNorm's copy of the channels-last input), its output within half-precision rounding
+    of stock's."""
     model = TEMPORAL_TRANSFORMERS[name]().cuda().half()
     x = randn(2 * 3, 32, 8, 8).cuda().half().to(memory_format=torch.channels_last)
     patched = copy.deepcopy(model)
@@ -1159,7 +1160,7 @@ def test_temporal_transformer_copies_nothing_cuda(name):
             expected = _run_temporal(model, x, name)
         with OpCounter() as patched_ops:
             actual = _run_temporal(patched, x, name)
-    assert _copies(stock_ops) - _copies(patched_ops) == 2, (stock_ops.calls, patched_ops.calls)
+    assert _copies(patched_ops) == 0 and _copies(stock_ops) >= 2, (stock_ops.calls, patched_ops.calls)
     assert patched_ops.calls["gn_patch::group_norm_act"] == 1
     assert is_channels_last(actual)
     assert rel_l2(actual, expected) < 2e-3

@@ -75,12 +75,13 @@ def norm2_hooked(block: ResnetBlock2D) -> bool:
 # added to conv1's output before norm2, become norm2's input_bias and input_offset: the kernels add them as they load
 # the output, which saves a pass over the block's tensor (a read and a write) and a launch each. Where norm2 has
 # hooks (its own or global ones, registered before or after patching) or a forward set on the instance, it gets the
-# sums, as in stock: the adds stay. The other branches ("scale_shift", whose modulation joins the call too, and
+# sums, as in stock: the adds stay (a folded bias means conv1_bias_folds found norm2 without them: not asked again).
+# The other branches ("scale_shift", whose modulation joins the call too, and
 # "group", the VAE decoders') normalise conv1's output directly.
 TEMB_OFFSET = {
     "hidden_states = self.conv1(hidden_states)": "hidden_states, conv1_bias = self.conv1_without_bias(hidden_states)",
     "if temb is not None:\n    hidden_states = hidden_states + temb\nhidden_states = self.norm2(hidden_states)":
-        "if temb is not None and self.norm2_hooked():\n"
+        "if temb is not None and conv1_bias is None and self.norm2_hooked():\n"
         "    hidden_states = hidden_states + temb\n"
         "    hidden_states = self.norm2(hidden_states)\n"
         "else:\n"

@@ -21,6 +21,8 @@
 
 #include <vector>
 
+#include "op_checks.h"
+
 namespace gn_patch {
 
 at::Tensor apply_activation(const at::Tensor& u, Act act) {
@@ -56,21 +58,6 @@ constexpr auto kAcc = at::kDouble;
 
 OptTensor upcast(const OptTensor& t) { return t ? OptTensor(t->to(kAcc)) : std::nullopt; }
 
-// (N, C) -> (N, C, 1, ...) with x's rank.
-at::Tensor per_sample_view(const at::Tensor& t, const at::Tensor& x) {
-  std::vector<int64_t> shape(x.dim(), 1);
-  shape[0] = x.size(0);
-  shape[1] = x.size(1);
-  return t.reshape(shape);
-}
-
-// (N, C, 1, ...) weight or bias view, (C,) -> broadcastable against x.
-at::Tensor channel_view(const at::Tensor& t, const at::Tensor& x) {
-  std::vector<int64_t> shape(x.dim(), 1);
-  shape[1] = x.size(1);
-  return t.reshape(shape);
-}
-
 int64_t spatial(const at::Tensor& x) { return x.numel() / (x.size(0) * x.size(1)); }
 
 std::vector<int64_t> spatial_dims(const at::Tensor& x) {
@@ -80,8 +67,8 @@ std::vector<int64_t> spatial_dims(const at::Tensor& x) {
 }
 
 at::Tensor modulate(at::Tensor v, const OptTensor& scale, const OptTensor& shift, const at::Tensor& x) {
-  if (scale) v = at::mul(v, at::add(per_sample_view(*scale, x), 1));
-  if (shift) v = at::add(v, per_sample_view(*shift, x));
+  if (scale) v = at::mul(v, at::add(sample_view(*scale, x), 1));
+  if (shift) v = at::add(v, sample_view(*shift, x));
   return v;
 }
 
@@ -114,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> aten_back
   if (b) v = at::add(v, channel_view(*b, x));
   // Every operand NCHW-contiguous: native_group_norm_backward reads dv with x's layout.
   const at::Tensor du = activation_backward(grad_out.to(kAcc).contiguous(), modulate(v, s, t, x), act);
-  const at::Tensor dv = s ? at::mul(du, at::add(per_sample_view(*s, x), 1)) : du;
+  const at::Tensor dv = s ? at::mul(du, at::add(sample_view(*s, x), 1)) : du;
   // native_group_norm_backward allocates the bias gradient like the weight ("tensor does not have a device"
   // without one, torch 2.11): a weight of ones gives the same dx.
   const OptTensor gamma = !w && b && mask[2] ? OptTensor(at::ones_like(*b)) : w;

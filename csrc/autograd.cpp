@@ -60,10 +60,7 @@ OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* nam
   TORCH_CHECK_VALUE(ok, std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) "
                             "followed by size-1 dims, for input of shape " + shape_str(x.sym_sizes()) + "; got " +
                             shape_str(t->sym_sizes()));
-  std::vector<c10::SymInt> shape(x.dim(), 1);
-  shape[0] = N;
-  shape[1] = C;
-  return t->reshape_symint(shape);
+  return sample_view(*t, x);
 }
 
 OptTensor per_sample(const OptTensor& t) {
@@ -302,7 +299,10 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
       (input_bias.has_value() && !term_fusable(*input_bias, x, /*per_sample=*/false))) {
     at::Tensor sum = x;
     if (input_bias.has_value()) {
-      TORCH_CHECK_VALUE(input_bias->dim() == 1 && x.dim() >= 2 && holds(input_bias->sym_size(0).sym_eq(x.sym_size(1))),
+      // F.group_norm's message first: x is what is wrong (a 1-D x would broadcast against the bias).
+      TORCH_CHECK(x.dim() >= 2, "Expected at least 2 dimensions for input tensor but received " +
+                                    std::to_string(x.dim()));
+      TORCH_CHECK_VALUE(input_bias->dim() == 1 && holds(input_bias->sym_size(0).sym_eq(x.sym_size(1))),
                         "gn_patch.group_norm_act: input_bias must have shape (C,) for input of shape " +
                             shape_str(x.sym_sizes()) + "; got " + shape_str(input_bias->sym_sizes()));
       sum = with_input_terms(x, std::nullopt, input_bias);

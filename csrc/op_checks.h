@@ -26,7 +26,8 @@ inline std::string shape_str(at::IntArrayRef sizes) {
   return s + "]";
 }
 
-inline std::string dtype_str(at::ScalarType t) { return c10::toString(t); }
+// Dtypes as Python spells them (torch.float32), as gn_patch/ops.py's messages do.
+inline std::string dtype_str(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
 // Symbolic sizes (torch.compile with dynamic shapes) print as "s?".
 inline std::string shape_str(c10::SymIntArrayRef sizes) {
@@ -196,15 +197,27 @@ inline void check_input_terms(const at::Tensor& x, const std::optional<at::Tenso
   }
 }
 
+// t viewed to broadcast against x (x's rank): per channel, (C,) -> (1, C, 1, ...), or per sample, (N, C) ->
+// (N, C, 1, ...). Sizes are symbolic (the dispatching op runs on fake tensors under torch.compile).
+inline at::Tensor channel_view(const at::Tensor& t, const at::Tensor& x) {
+  std::vector<c10::SymInt> shape(x.dim(), 1);
+  shape[1] = x.sym_size(1);
+  return t.reshape_symint(shape);
+}
+
+inline at::Tensor sample_view(const at::Tensor& t, const at::Tensor& x) {
+  std::vector<c10::SymInt> shape(x.dim(), 1);
+  shape[0] = x.sym_size(0);
+  shape[1] = x.sym_size(1);
+  return t.reshape_symint(shape);
+}
+
 // (x + input_bias) + input_offset with PyTorch's adds, each rounded to x's dtype: what the kernels normalise when
 // they add the terms themselves (check_input_terms' shapes, viewed to broadcast against x).
 inline at::Tensor with_input_terms(const at::Tensor& x, const std::optional<at::Tensor>& input_offset,
                                    const std::optional<at::Tensor>& input_bias) {
-  std::vector<c10::SymInt> shape(x.dim(), 1);
-  shape[1] = x.sym_size(1);
-  at::Tensor sum = input_bias.has_value() ? at::add(x, input_bias->view_symint(shape)) : x;
-  shape[0] = x.sym_size(0);
-  return input_offset.has_value() ? at::add(sum, input_offset->view_symint(shape)) : sum;
+  const at::Tensor sum = input_bias.has_value() ? at::add(x, channel_view(*input_bias, x)) : x;
+  return input_offset.has_value() ? at::add(sum, sample_view(*input_offset, x)) : sum;
 }
 
 // frames_last: the output of a 5-D input (N, C, F, H, W) returned with its memory in (N, H, W, F, C) order.

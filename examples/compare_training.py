@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 # Run from a checkout without installing, as train_text_to_image.py does: the repository root holds gn_patch.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gn_patch.bench.results import commit_id
@@ -136,6 +138,8 @@ def add_scaling(result: dict, one_gpu: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
+    if "--fsdp2" in extra and not torch.cuda.is_available():  # before torchrun, whose traceback would bury it
+        raise SystemExit("--fsdp2 needs CUDA GPUs: accelerate shards only under a distributed GPU launch")
     one_gpu = json.loads(args.one_gpu_json.read_text()) if args.one_gpu_json else None
     stock, patched = train(args, extra, patched=False), train(args, extra, patched=True)
     result = summarize(stock, patched, args.commit or commit_id(REPO))

@@ -390,10 +390,12 @@ def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.T
     if not isinstance(input_bias, torch.Tensor):
         raise TypeError("gn_patch.group_norm_act: input_bias must be a tensor or None, got "
                         f"{type(input_bias).__name__}")
-    if input_bias.dim() != 1 or x.dim() < 2 or input_bias.shape[0] != x.shape[1]:
+    if x.dim() < 2:  # F.group_norm's message: x is what is wrong (a 1-D x would broadcast against the bias)
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {x.dim()}")
+    if input_bias.dim() != 1 or input_bias.shape[0] != x.shape[1]:
         raise ValueError("gn_patch.group_norm_act: input_bias must have shape (C,) for input of shape "
                          f"{list(x.shape)}; got {list(input_bias.shape)}")
-    return x + _param_view(input_bias, x)
+    return _with_input_terms(x, None, input_bias)
 
 
 def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:

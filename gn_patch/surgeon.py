@@ -32,7 +32,7 @@ from .modules import GroupNormAct
 from .report import PatchReport, join_name
 from .rules import ORIGINAL_CLASS, RULES
 from .rules.base import (ADDED_STATE, VERSION_SKIP, FusedActivation, StockLayoutGroupNorm, Surgery,
-                         forward_override_problem, fuse_norm, has_output_hooks, patched_class, restore,
+                         forward_override_problem, fuse_norm, has_hooks, patched_class, restore,
                          wrapped_class)
 
 __all__ = ["PatchReport", "patch_model", "unpatch_model"]
@@ -310,8 +310,8 @@ def _unpatch_problems(model: nn.Module) -> list[tuple[str, str]]:
             problems.append((name, "the forward is wrapped on the instance by hooks added after patch_model (e.g. "
                                    "diffusers' group offloading or HookRegistry hooks); remove them"))
         for key, child in module._modules.items():
-            if isinstance(child, FusedActivation) and (type(child) is not FusedActivation or has_output_hooks(child)
-                                                       or child._forward_pre_hooks or "forward" in vars(child)):
+            if isinstance(child, FusedActivation) and (type(child) is not FusedActivation or has_hooks(child)
+                                                       or "forward" in vars(child)):
                 # unpatch puts the original activation module back: what was added to the stand-in would be lost.
                 problems.append((join_name(name, key), "the stand-in for the fused activation has hooks or a "
                                                        "wrapper class added after patch_model; remove them"))

@@ -586,6 +586,8 @@ def test_pytorch_path_input_bias(host_path):
             gn_patch.group_norm_act(x, 4, input_bias=bad)
     with pytest.raises(TypeError, match="input_bias"):
         gn_patch.group_norm_act(x, 4, input_bias=1.0)
+    with pytest.raises(RuntimeError, match="Expected at least 2 dimensions for input tensor but received 1"):
+        gn_patch.group_norm_act(torch.randn(8), 4, input_bias=bias)  # as F.group_norm(torch.randn(8), 4)
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])

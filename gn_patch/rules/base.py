@@ -16,6 +16,7 @@ import diffusers
 import torch
 from accelerate.hooks import AlignDevicesHook, SequentialHook
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ..modules import GroupNormAct
 from ..ops import canonical_activation
@@ -270,6 +271,21 @@ def has_output_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Hooks of the module's own, on its output or its input."""
+    return has_output_hooks(module) or bool(module._forward_pre_hooks)
+
+
+def runs_forward_only(module: nn.Module) -> bool:
+    """Calling ``module`` would run its class's forward and nothing else (torch.nn.Module._call_impl's fast path):
+    no hooks of its own or global ones, no forward set on the instance but the bound class forward that
+    accelerate's remove_hook_from_module leaves."""
+    own = module.__dict__.get("forward")
+    return not (has_hooks(module) or (own is not None and not is_bound_class_forward(own, module))
+                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+
+
 def only_moves_tensors(hook) -> bool:
     """accelerate hooks that move weights and tensors between devices without changing values."""
     if isinstance(hook, SequentialHook):
@@ -324,8 +340,7 @@ class Surgery:
         kind = type(activation).__name__
         if activation_name(activation) is None:
             return f"the next op, {kind}, is not an activation with a fused kernel (SiLU, GELU, ReLU, Mish)"
-        if (has_output_hooks(activation) or activation._forward_pre_hooks or "_hf_hook" in activation.__dict__
-                or "forward" in activation.__dict__):
+        if has_hooks(activation) or "_hf_hook" in activation.__dict__ or "forward" in activation.__dict__:
             return f"hooks on the activation {kind} would no longer run"
         return None
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 from diffusers.models.normalization import AdaGroupNorm
 from diffusers.models.resnet import Conv1dBlock, ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
 
 from ..ops import _group_norm_act
-from .base import Surgery, is_bound_class_forward, rule, stands_in_for, verified
+from .base import Surgery, rule, runs_forward_only, stands_in_for, verified
 from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 
 # The residual sum's division by output_scale_factor, skipped where that is 1.0.
@@ -53,17 +52,6 @@ def _pytorch_conv2d(conv: nn.Conv2d) -> bool:
     return ("_conv_forward" not in conv.__dict__
             and getattr(nn.Conv2d.forward, "__module__", None) == "torch.nn.modules.conv"
             and getattr(nn.Conv2d._conv_forward, "__module__", None) == "torch.nn.modules.conv")
-
-
-def runs_forward_only(module: nn.Module) -> bool:
-    """Calling ``module`` would run its class's forward and nothing else (torch.nn.Module._call_impl's fast path):
-    no hooks of its own or global ones, no forward set on the instance but the bound class forward that
-    accelerate's remove_hook_from_module leaves."""
-    own = module.__dict__.get("forward")
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or (own is not None and not is_bound_class_forward(own, module))
-                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
 
 
 def norm2_hooked(block: ResnetBlock2D) -> bool:

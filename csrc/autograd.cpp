@@ -325,7 +325,9 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   }
   const at::Tensor y = pytorch_path(with_input_terms(x, per_sample(input_offset), input_bias), num_groups, weight,
                                     bias, eps, act, scale_b, shift_b);
-  return frames_last ? empty_frames_last(y).copy_(y) : y;
+  // frames_last's layout through PyTorch's own ops, which torch.func transforms batch (an empty tensor and copy_ into
+  // it would be unbatched).
+  return frames_last ? y.permute({0, 3, 4, 2, 1}).contiguous().permute({0, 4, 3, 1, 2}) : y;
 }
 
 }  // namespace

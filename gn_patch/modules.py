@@ -76,7 +76,7 @@ class GroupNormAct(nn.GroupNorm):
                 input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None,
                 frames_last: bool = False) -> torch.Tensor:
         return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift,
-                               input_offset, input_bias, frames_last)
+                               input_offset, input_bias, bool(frames_last))
 
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript (its forward chooses between the CUDA kernels "

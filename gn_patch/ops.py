@@ -380,7 +380,7 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shif
     if shift is not None:
         y = y + shift
     y = ACTIVATIONS[activation](y)
-    return _empty_frames_last(y).copy_(y) if frames_last else y
+    return y.permute(0, 3, 4, 2, 1).contiguous().permute(0, 4, 3, 1, 2) if frames_last else y
 
 
 def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.Tensor:

@@ -748,3 +748,12 @@ def test_compile_fullgraph_frames_last(dynamic, kernel_path_on_cpu):
         fn(x, w).square().sum().backward()
         for g, t in zip(got, (x, w)):
             assert_close(g, t.grad, atol=1e-5, rtol=1e-5, what="grad")
+
+
+def test_frames_last_under_torch_func(host_path):
+    """torch.func transforms take PyTorch's path, whose frames_last copy they batch: vmap over per-sample gradients
+    gives the gradients of the call without frames_last."""
+    x = random_input((3, 2, 8, 3, 4, 5), torch.float32, "cpu")
+    loss = lambda frames_last: lambda t: gn_patch.group_norm_act(t, 4, frames_last=frames_last).square().sum()
+    per_sample = [torch.func.vmap(torch.func.grad(loss(frames_last)))(x) for frames_last in (True, False)]
+    torch.testing.assert_close(*per_sample, rtol=0, atol=0)

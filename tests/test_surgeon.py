@@ -1116,9 +1116,12 @@ def _copies(ops: OpCounter) -> int:
     return ops.calls["aten::clone"] + ops.calls["aten::copy_"]
 
 
-def _stock_and_patched_temporal(model, x, name):
-    """(stock output, patched output, stock's op counts, patched's op counts) of one no-grad call on x."""
-    run = lambda m: m(x, num_frames=3) if name == "AnimateDiffTransformer3D" else m(x, num_frames=3).sample
+def _temporal_call(name, x, frames=3):
+    return lambda m: m(x, num_frames=frames) if name == "AnimateDiffTransformer3D" else m(x, num_frames=frames).sample
+
+
+def _stock_and_patched_temporal(model, run):
+    """(stock output, patched output, stock's op counts, patched's op counts) of one no-grad ``run(model)``."""
     patched = copy.deepcopy(model)
     patch_model(patched)
     with torch.no_grad():
@@ -1129,21 +1132,31 @@ def _stock_and_patched_temporal(model, x, name):
     return expected, actual, stock_ops, patched_ops
 
 
+# (batch, frames, height, width, dtype): frames_last where stock's reshape copies (B, F, H·W > 1); elsewhere stock's
+# proj_in reads a strided view (PyTorch's linear then adds the bias in a second rounding) and the norm keeps x's layout.
+TEMPORAL_SHAPES = {"rows_copied": (2, 3, 4, 5, torch.float32), "batch_1": (1, 3, 4, 5, torch.float32),
+                   "batch_1_bf16": (1, 8, 8, 8, torch.bfloat16), "one_frame": (1, 1, 3, 3, torch.float32),
+                   "one_frame_batch_2": (2, 1, 4, 5, torch.float32), "one_position": (2, 3, 1, 1, torch.float32)}
+
+
+@pytest.mark.parametrize("shape", TEMPORAL_SHAPES)
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
 @pytest.mark.parametrize("name", TEMPORAL_TRANSFORMERS)
-def test_temporal_transformer_reads_and_writes_rows_in_place(name, channels_last):
-    """The norm returns its output frames_last (proj_in's (B·H·W, F, C) rows a view of it: on the CPU the op copies
-    instead of the reshape) and, from channels-last input, the residual is added to proj_out's rows in place of
-    stock's `.contiguous()` copy and second pass: the same values (bitwise: the norm takes PyTorch's path on the CPU),
-    the residual's layout, one copy fewer; from NCHW input stock's output statements run."""
-    model = TEMPORAL_TRANSFORMERS[name]()
-    x = randn(2 * 3, 32, 4, 5)
+def test_temporal_transformer_reads_and_writes_rows_in_place(name, channels_last, shape):
+    """The norm returns its output frames_last where stock's reshape copies the rows (proj_in's (B·H·W, F, C) rows
+    are then a view of it: on the CPU the op copies instead of the reshape) and, from channels-last input, the
+    residual is added to proj_out's rows in place of stock's `.contiguous()` copy and second pass: stock's values
+    bit for bit (the norm takes PyTorch's path on the CPU) at every shape, the residual's layout, one copy fewer;
+    from NCHW input stock's output statements run."""
+    batch, frames, height, width, dtype = TEMPORAL_SHAPES[shape]
+    model = TEMPORAL_TRANSFORMERS[name]().to(dtype)
+    x = randn(batch * frames, 32, height, width).to(dtype)
     x = x.to(memory_format=torch.channels_last) if channels_last else x
-    expected, actual, stock_ops, patched_ops = _stock_and_patched_temporal(model, x, name)
+    expected, actual, stock_ops, patched_ops = _stock_and_patched_temporal(model, _temporal_call(name, x, frames))
     assert torch.equal(actual, expected)
-    assert is_channels_last(actual) == channels_last
-    copies = _copies(stock_ops) - _copies(patched_ops)
-    assert copies == (1 if channels_last else 0), (stock_ops.calls, patched_ops.calls)
+    assert is_channels_last(actual) or not channels_last
+    copies = _copies(stock_ops) - _copies(patched_ops)  # stock's `.contiguous()` copies nothing at H = W = 1
+    assert copies == (1 if channels_last and height * width > 1 else 0), (stock_ops.calls, patched_ops.calls)
 
 
 @pytest.mark.gpu
@@ -1155,11 +1168,46 @@ def test_temporal_transformer_copies_nothing_cuda(name):
     of stock's."""
     model = TEMPORAL_TRANSFORMERS[name]().cuda().half()
     x = randn(2 * 3, 32, 8, 8).cuda().half().to(memory_format=torch.channels_last)
-    expected, actual, stock_ops, patched_ops = _stock_and_patched_temporal(model, x, name)
+    expected, actual, stock_ops, patched_ops = _stock_and_patched_temporal(model, _temporal_call(name, x))
     assert _copies(patched_ops) == 0 and _copies(stock_ops) >= 2, (stock_ops.calls, patched_ops.calls)
     assert patched_ops.calls["gn_patch::group_norm_act"] == 1
     assert is_channels_last(actual)
     assert rel_l2(actual, expected) < 2e-3
+
+
+def _flat_view_hook(module, args, output):
+    output.view(output.shape[0], output.shape[1], -1)  # raises unless the output has stock's layout (NCDHW)
+
+
+@pytest.mark.parametrize("case", ["hook_after_patching", "hook_at_patching", "norm_unpatched", "norm_patched_first",
+                                  "parametrized_norm"])
+@pytest.mark.parametrize("name", TEMPORAL_TRANSFORMERS)
+def test_temporal_transformer_norm_others_see_stocks_call(name, case):
+    """The norm is called with frames_last only while it is the surgeon's GroupNormAct and runs as it is: hooks
+    (added after patching, or at patching and removed before patching again) see stock's layout, and a norm unpatched
+    alone, patched on its own first, or parametrized gets stock's call."""
+    model = TEMPORAL_TRANSFORMERS[name]()
+    x = randn(2 * 3, 32, 4, 5)  # NCHW: stock's norm output is a view of NCDHW memory
+    run = _temporal_call(name, x)
+    if case == "parametrized_norm":
+        torch.nn.utils.parametrize.register_parametrization(model.norm, "weight", nn.Identity())
+    with torch.no_grad():
+        expected = run(model)
+    patched = copy.deepcopy(model)
+    if case == "hook_at_patching":
+        handle = patched.norm.register_forward_hook(lambda *args: None)
+        patch_model(patched)
+        handle.remove()
+    if case == "norm_patched_first":
+        patch_model(patched.norm)
+    patch_model(patched)
+    if case == "hook_after_patching":
+        patched.norm.register_forward_hook(_flat_view_hook)
+        model.norm.register_forward_hook(_flat_view_hook)
+    if case == "norm_unpatched":
+        unpatch_model(patched.norm)
+    with torch.no_grad():
+        torch.testing.assert_close(run(patched), expected, rtol=0, atol=0)
 
 
 def test_unpatching_a_lone_fused_norm_is_refused():

@@ -3,6 +3,7 @@ Encoder/Decoder."""
 
 from __future__ import annotations
 
+import torch
 from diffusers.models.autoencoders.vae import Decoder, Encoder
 from diffusers.models.controlnets.controlnet_xs import UNetControlNetXSModel
 from diffusers.models.unets.unet_1d_blocks import OutConv1DBlock, ResConvBlock, SelfAttention1d
@@ -20,6 +21,7 @@ from diffusers.pipelines.audioldm2.modeling_audioldm2 import AudioLDM2UNet2DCond
 from diffusers.pipelines.deprecated.versatile_diffusion.modeling_text_unet import (ResnetBlockFlat,
                                                                                    UNetFlatConditionModel)
 
+from .base import FusedGroupNorm, runs_forward_only
 from .fusion import fusion, pairs
 from .resnet import RESIDUAL_SUM
 
@@ -55,15 +57,29 @@ fusion(ResnetBlock2DDreamLite, "638519721cbc8643",
        modulated_if=lambda block: block.time_embedding_norm == "scale_shift",
        rewrites=RESIDUAL_SUM)
 
+def norm_in_row_order(block, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``block.norm(hidden_states)`` on (B, C, F, H, W), called with ``frames_last=True`` (its output's memory in
+    the (B·H·W, F, C) row order proj_in reads) where that changes only where the values lie: the norm is the
+    GroupNormAct the surgeon made of it and runs as it is (hooks would see another layout; a norm unpatched,
+    parametrized or left stock takes no frames_last), and B, F and H·W are above 1, where stock's reshape copies the
+    rows into that order (elsewhere it is a view, whose strides send PyTorch's linear down another path: a matmul,
+    then the bias added in a second rounding)."""
+    norm = block.norm
+    batch, _, frames, height, width = hidden_states.shape
+    if type(norm) is FusedGroupNorm and runs_forward_only(norm) and batch > 1 and frames > 1 and height * width > 1:
+        return norm(hidden_states, frames_last=True)
+    return norm(hidden_states)
+
+
 # The temporal transformers (AnimateDiff's motion modules, UNet3D's and I2VGen-XL's temp_attentions): norm ->
 # permute/reshape -> proj_in (a Linear), which reads the norm's output as (B·H·W, F, C) rows: a copy, unless the
-# norm writes it in that order (frames_last: the kernels do, at no cost; elsewhere the op copies instead of the
-# reshape). Stock writes their output (B, F, C, H, W) (`.contiguous()`, an NCHW copy that the next layers convert
+# norm writes it in that order (norm_in_row_order: the kernels do, at no cost; elsewhere the op copies instead of
+# the reshape). Stock writes their output (B, F, C, H, W) (`.contiguous()`, an NCHW copy that the next layers convert
 # back), then adds the residual in a second pass. From channels-last input the residual is added to the
 # (B, F, C, H, W) view of proj_out's (B·H·W, F, C) rows directly: one pass, its output in the residual's layout
 # (channels_last). The same values: the norm's are only placed elsewhere, and float addition is commutative.
 _TEMPORAL_LAYOUT = {
-    "hidden_states = self.norm(hidden_states)": "hidden_states = self.norm(hidden_states, frames_last=True)",
+    "hidden_states = self.norm(hidden_states)": "hidden_states = self.norm_in_row_order(hidden_states)",
     "hidden_states = hidden_states[None, None, :].reshape(batch_size, height, width, num_frames, channel)"
     ".permute(0, 3, 4, 1, 2).contiguous()\n"
     "hidden_states = hidden_states.reshape(batch_frames, channel, height, width)\n"
@@ -74,8 +90,10 @@ _TEMPORAL_LAYOUT = {
         "    output = (residual.unflatten(0, (batch_size, num_frames)) + hidden_states).flatten(0, 1)\n"
         "else:\n"
         "    output = hidden_states.contiguous().reshape(batch_frames, channel, height, width) + residual"}
-fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, rewrites=_TEMPORAL_LAYOUT)
-fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, rewrites=_TEMPORAL_LAYOUT)
+fusion(AnimateDiffTransformer3D, "27dba616eaaa900e", alone={"norm"}, rewrites=_TEMPORAL_LAYOUT,
+       helpers={"norm_in_row_order": norm_in_row_order})
+fusion(TransformerTemporalModel, "90569d703bf1d299", alone={"norm"}, rewrites=_TEMPORAL_LAYOUT,
+       helpers={"norm_in_row_order": norm_in_row_order})
 
 # Kandinsky 3: `self.norm(x) * (scale + 1.0) + shift` with a per-sample scale/shift from the timestep; its blocks
 # apply SiLU after it (Kandinsky3Block), or use it alone (Kandinsky3AttentionBlock: reshape, attention / a conv).

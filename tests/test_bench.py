@@ -395,3 +395,14 @@ def test_quick_kernel_table_on_two_shapes(tmp_path):
             assert row[key] > 0, (key, row)
         assert row["gbps"] > 0 and row["ratio_to_copy"] > 0
     assert (tmp_path / "summary.md").exists()
+
+
+@pytest.mark.gpu
+def test_quick_cpu_section_times_inference_and_training_calls(tmp_path):
+    assert cli.main(["--quick", "--only", "cpu", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu_overhead.json").read_text())["rows"]
+    for row in rows:
+        assert "error" not in row, row
+        assert 0 < row["us_per_call_min"] <= row["us_per_call"], row
+    training = [row["method"] for row in rows if row["method"].endswith("fwd+bwd")]
+    assert len(training) == 3 and any(name.startswith("GroupNormAct") for name in training)

@@ -28,6 +28,7 @@ def candidates():
     w, b = module.weight.detach(), module.bias.detach()
     raw = torch.ops.gn_patch.group_norm_act.default
     dispatch = torch.ops.gn_patch.group_norm_act_dispatch.default
+    x_empty = x[:0]
     return {
         "torch.empty((2, 32)) [one allocation]": lambda: torch.empty((2, 32), device="cuda"),
         "torch.empty_like(x) [one allocation]": lambda: torch.empty_like(x),
@@ -38,7 +39,30 @@ def candidates():
         "dispatch op gn_patch::group_norm_act_dispatch": lambda: dispatch(x, groups, w, b, eps, "silu", None, None),
         "gn_patch.ops._group_norm_act": lambda: ops._group_norm_act(x, groups, w, b, eps, "silu"),
         "GroupNormAct module": lambda: module(x),
+        "raw op, N = 0 [checks, three allocations, no launch]":
+            lambda: raw(x_empty, w, b, None, None, groups, eps, "silu"),
     }, module, x
+
+
+def training_candidates():
+    """Forward (+ backward) with grad enabled, as a training step calls them: the module's, and stock
+    nn.GroupNorm + nn.SiLU's (gradients accumulate into .grad, as in a step with gradient accumulation)."""
+    groups = 32
+    x = torch.randn(CPU_SHAPE, dtype=torch.float16, device="cuda").contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    x_nchw = x.detach().contiguous().requires_grad_(True)
+    dy = torch.randn_like(x)
+    module = GroupNormAct(groups, CPU_SHAPE[1]).to("cuda", torch.float16)
+    stock = torch.nn.Sequential(torch.nn.GroupNorm(groups, CPU_SHAPE[1]), torch.nn.SiLU()).to("cuda", torch.float16)
+
+    def step(model, inp):
+        def call():
+            model(inp).backward(dy)
+        return call
+    return {"GroupNormAct forward only, x requiring grad [autograd node, saved tensors]": lambda: module(x),
+            "GroupNormAct fwd+bwd (channels_last)": step(module, x),
+            "nn.GroupNorm + nn.SiLU fwd+bwd (NCHW)": step(stock, x_nchw),
+            "nn.GroupNorm + nn.SiLU fwd+bwd (channels_last)": step(stock, x)}
 
 
 def main():
@@ -52,6 +76,10 @@ def main():
         calls, module, x = candidates()
         for name, call in calls.items():
             per_round = host_us_per_call(call, args.calls, args.rounds)
+            print(f"{statistics.median(per_round):8.2f} us  (min {min(per_round):6.2f})  {name}", flush=True)
+        for name, call in training_candidates().items():
+            with torch.enable_grad():
+                per_round = host_us_per_call(call, args.calls, args.rounds)
             print(f"{statistics.median(per_round):8.2f} us  (min {min(per_round):6.2f})  {name}", flush=True)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:

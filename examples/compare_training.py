@@ -147,11 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
         add_scaling(result, one_gpu)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
+    on_cpu = result["config"].get("device") == "cpu"
+    # On the CPU both runs take PyTorch's path: their ratio measures the host, not the patch, so it is not printed.
+    ratio = " (on the CPU both runs take PyTorch's path: no speedup to report)" if on_cpu else \
+        f" ({result['speedup']:.3f}x)"
     print(f"stock {result['stock_samples_per_s']:.2f} samples/s, patched {result['patched_samples_per_s']:.2f} "
-          f"samples/s ({result['speedup']:.3f}x); max |loss difference| over the first {COMPARED_STEPS} steps "
+          f"samples/s{ratio}; max |loss difference| over the first {COMPARED_STEPS} steps "
           f"{result[f'max_loss_diff_first_{COMPARED_STEPS}_steps']:.3g}; written to {args.output}")
-    if result["config"].get("device") == "cpu":
-        print("(on the CPU both runs take PyTorch's path: the samples/s compare nothing)")
     return result
 
 

@@ -368,6 +368,12 @@ def test_report_only_writes_summary_and_plots(tmp_path, capsys):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
 
 
+def test_report_only_refuses_a_folder_without_results(tmp_path, capsys):
+    assert cli.main(["--report-only", "--out", str(tmp_path)]) == 1
+    assert "no result files" in capsys.readouterr().err
+    assert not (tmp_path / "summary.md").exists()
+
+
 def test_only_rejects_unknown_sections():
     assert cli.parse_args(["--only", "cpu,kernels"]).only == ("cpu", "kernels")
     assert cli.parse_args([]).only == ("kernels", "e2e", "cpu")

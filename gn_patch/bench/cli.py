@@ -21,7 +21,7 @@ from .peers import SHAPES, run_peers
 from .plots import plot_e2e, plot_kernel_speedup
 from .report import console_summary, load_results, render_summary
 from .results import attempt, run_metadata
-from .settings import FULL, QUICK, SECTIONS
+from .settings import FULL, QUICK, RESULT_FILES, SECTIONS
 
 DEFAULT_OUT = Path("benchmarks") / "results" / "h200"
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "peers")  # peers needs --peers DIR
@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.report_only:
+        if not any((args.out / name).exists() for name in RESULT_FILES.values()):
+            print(f"gn_patch.bench: no result files ({', '.join(RESULT_FILES.values())}) in {args.out}: nothing to "
+                  "report", file=sys.stderr)
+            return 1
         for path in write_report(args.out):
             print(path)
         return 0

@@ -113,8 +113,8 @@ _CHANNELS_LAST_3D = {nn.Conv3d: torch.channels_last_3d, nn.ConvTranspose3d: torc
 
 
 def _conv_weights(model: nn.Module, formats: dict[type, torch.memory_format]):
-    """(qualified name, weight, memory format) of the Parameter weights of ``model``'s convs of the classes in
-    ``formats`` (subclasses included), outside peft adapters; parametrized weights are not Parameters."""
+    """(qualified name, conv, weight, memory format) of the Parameter weights of ``model``'s convs of the classes
+    in ``formats`` (subclasses included), outside peft adapters; parametrized weights are not Parameters."""
     adapters = _adapter_convs(model)
     for name, module in model.named_modules():
         memory_format = next((f for cls, f in formats.items() if isinstance(module, cls)), None)
@@ -122,11 +122,23 @@ def _conv_weights(model: nn.Module, formats: dict[type, torch.memory_format]):
             continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, nn.Parameter):
-            yield f"{name}.weight" if name else "weight", weight, memory_format
+            yield f"{name}.weight" if name else "weight", module, weight, memory_format
 
 
-def _layout_kept(weight: nn.Parameter) -> str | None:
-    """Why patch_model leaves ``weight``'s layout as it is; None for a plain tensor, which it converts."""
+def _offloaded(module: nn.Module) -> bool:
+    """An accelerate hook of ``module`` keeps the weights and loads them on every call (cpu_offload,
+    enable_sequential_cpu_offload, disk offload: AlignDevicesHook with a weights_map)."""
+    hook = module.__dict__.get("_hf_hook")
+    return any(getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None
+               for h in getattr(hook, "hooks", (hook,)))  # SequentialHook holds several
+
+
+def _layout_kept(module: nn.Module, weight: nn.Parameter) -> str | None:
+    """Why patch_model leaves the layout of ``module``'s ``weight`` as it is; None for a plain tensor the module
+    owns, which it converts."""
+    if _offloaded(module):
+        return ("offloaded by accelerate (cpu_offload, enable_sequential_cpu_offload): its hook loads its own copy "
+                "of the weight on every call; patch before offloading")
     if type(weight.data) is torch.Tensor:
         return None
     if type(weight.data).__name__ == "DTensor":
@@ -141,14 +153,26 @@ def _make_conv_weights_channels_last(model: nn.Module, formats: dict[type, torch
     those changed, and lists in ``report.layout_kept`` those it cannot change (DTensors, quantized tensors...).
     Unlike ``model.to(memory_format=...)``, leaves all other tensors alone."""
     changed = []
-    for name, weight, memory_format in _conv_weights(model, formats):
-        reason = _layout_kept(weight)
+    for name, module, weight, memory_format in _conv_weights(model, formats):
+        reason = _layout_kept(module, weight)
         if reason is not None:
             report.layout_kept.append((name, reason))
-        elif not weight.is_contiguous(memory_format=memory_format):
-            weight.data = weight.data.contiguous(memory_format=memory_format)
+        elif _restride(weight, memory_format):
             changed.append(name)
     return changed
+
+
+def _restride(weight: nn.Parameter, memory_format: torch.memory_format) -> bool:
+    """Give ``weight`` the strides ``.to(memory_format=...)`` gives it, as ``model.to(memory_format=...)`` does;
+    True if they changed. A 1x1 kernel's contiguous weight already passes ``is_contiguous(memory_format=...)``, but
+    cuDNN picks a convolution's layout from the strides (``suggest_memory_format``): with NCHW strides such a conv
+    returns NCHW for NCHW input (diffusers' training-mode ``conv_shortcut(input_tensor.contiguous())``), and the
+    blocks after it run NCHW."""
+    restrided = weight.data.to(memory_format=memory_format)
+    if restrided.stride() == weight.data.stride():
+        return False
+    weight.data = restrided
+    return True
 
 
 def _without_peft_wrappers(name: str) -> str:
@@ -160,12 +184,12 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
     """Make the named conv weights of ``model`` contiguous again (names no longer present are passed over; a
     LoRA adapter added after patching does not hide a conv it wrapped)."""
     weights = {_without_peft_wrappers(name): weight
-               for name, weight, _ in _conv_weights(model, _CHANNELS_LAST | _CHANNELS_LAST_3D)
-               if _layout_kept(weight) is None}
+               for name, module, weight, _ in _conv_weights(model, _CHANNELS_LAST | _CHANNELS_LAST_3D)
+               if _layout_kept(module, weight) is None}
     for name in names:
         weight = weights.get(name)
-        if weight is not None and not weight.is_contiguous():
-            weight.data = weight.data.contiguous()
+        if weight is not None:
+            _restride(weight, torch.contiguous_format)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,7 +261,10 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
     (strict) and ``save_pretrained`` writes what stock diffusers reads. Outputs equal the stock model's up to
     rounding: on CPU, or for inputs the kernels do not take, GroupNormAct computes exactly PyTorch's GroupNorm,
     modulation and activation. Calling it again fuses only what is new (report.already_patched lists the rest).
-    accelerate hooks (enable_model_cpu_offload, cpu_offload, dispatch_model) may be attached before or after;
+    accelerate hooks (enable_model_cpu_offload, cpu_offload, dispatch_model) may be attached before or after, but
+    hooks that keep the weights themselves (cpu_offload, enable_sequential_cpu_offload) load their own copies on
+    every call: patch before them (after them the conv weights keep their layout, report.layout_kept; and
+    unpatch_model after them leaves their copies channels_last);
     forward hooks on a GroupNorm or on the activation it would absorb keep that pair unfused. A patched block relies
     on its fused norms: replace submodules of a patched model only after unpatch_model. A fused nn.Sequential pair
     assumes its items run in order (calling the Sequential, or iterating over it); calling the GroupNorm item alone

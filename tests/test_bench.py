@@ -368,6 +368,12 @@ def test_report_only_writes_summary_and_plots(tmp_path, capsys):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_max_shapes_must_be_positive(value):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--max-shapes", value])
+
+
 def test_report_only_refuses_a_folder_without_results(tmp_path, capsys):
     assert cli.main(["--report-only", "--out", str(tmp_path)]) == 1
     assert "no result files" in capsys.readouterr().err

@@ -483,10 +483,52 @@ def test_sd15_unet():
     assert kinds(report.patched) == {"ResnetBlock2D.norm1+act": 8, "ResnetBlock2D.norm2+act": 8,
                                      "Transformer2DModel.norm": 4, "conv_norm_out+conv_act": 1}
     assert report.skipped == [] and report.already_patched == []
-    assert report.channels_last == sum(1 for m in unet.modules() if isinstance(m, nn.Conv2d)
-                                       and m.kernel_size != (1, 1))
+    assert report.channels_last == sum(1 for m in unet.modules() if isinstance(m, nn.Conv2d))
     assert isinstance(patched.conv_act, nn.Identity)
     assert patched.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_conv_weights_get_the_strides_model_to_channels_last_gives():
+    # 1x1 weights included: contiguous, they pass is_contiguous(memory_format=channels_last), but cuDNN and the CPU
+    # convolutions choose their output layout from the strides.
+    unet = tiny_sd15_unet()
+    reference = copy.deepcopy(unet).to(memory_format=torch.channels_last)
+    patch_model(unet)
+    for (name, weight), (_, expected) in zip(unet.named_parameters(), reference.named_parameters()):
+        assert weight.stride() == expected.stride(), name
+    unpatch_model(unet)
+    for name, weight in unet.named_parameters():
+        assert weight.stride() == torch.empty_like(weight, memory_format=torch.contiguous_format).stride(), name
+
+
+def test_accelerate_offloaded_conv_weights_are_reported_not_converted():
+    # cpu_offload (enable_sequential_cpu_offload) keeps each weight in its hook and loads that copy on every call: a
+    # layout given to the module's placeholder would be lost, so patch_model says so instead of counting it.
+    from accelerate import cpu_offload
+    unet = tiny_sd15_unet()
+    with torch.no_grad():
+        expected = unet(**sd15_unet_inputs())
+    cpu_offload(unet, execution_device=torch.device("cpu"))
+    report = patch_model(unet)
+    convs = sum(1 for m in unet.modules() if isinstance(m, nn.Conv2d))
+    assert report.channels_last == 0 and len(report.layout_kept) == convs
+    assert all("offloaded by accelerate" in reason for _, reason in report.layout_kept)
+    with torch.no_grad():
+        assert_same_outputs(unet(**sd15_unet_inputs()), expected, 1e-5)
+
+
+def test_training_mode_keeps_every_norm_input_channels_last():
+    # diffusers' resnets call conv_shortcut(input_tensor.contiguous()) in training mode: with NCHW-strided 1x1
+    # weights that conv returned NCHW and the blocks after it ran NCHW (6 of the tiny UNet's 21 norms).
+    unet = tiny_sd15_unet()
+    patch_model(unet)
+    layouts = []
+    for module in unet.modules():
+        if isinstance(module, GroupNormAct):
+            module.register_forward_pre_hook(
+                lambda m, args: layouts.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    unet.train()(**sd15_unet_inputs())[0].sum().backward()
+    assert len(layouts) == 21 and all(layouts), layouts
 
 
 def test_sdxl_unet_text_time():

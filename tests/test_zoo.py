@@ -114,7 +114,6 @@ def test_zoo_model_runs_channels_last(name, channels_last):
 # to an NCHW one of the same shape (PyTorch then runs its slow strided kernel), and where.
 MIXED_LAYOUT_GAPS = {
     "AutoencoderKLKVAE": "the pixel-shuffle shortcut of its resampling returns NCHW (conv_out + pxs_out)",
-    "AutoencoderKLLTX2Audio": "its attention block returns its projection as NCHW (x + h_)",
     "ConsistencyDecoderVAE": "its scheduler step mixes the UNet's channels-last output with the NCHW latent",
 }
 

@@ -63,6 +63,17 @@ def parse_e2e_groups(text: str) -> tuple[str, ...]:
     return _comma_list(text, E2E_GROUPS, "group")
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type function). Raises argparse.ArgumentTypeError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options of ``argv``; exits with a usage message (argparse) on a bad one, and where --only names the
     peers section without --peers."""
@@ -78,7 +89,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--e2e-groups", type=parse_e2e_groups, default=E2E_GROUPS, metavar="GROUPS",
                         help=f"end-to-end table: only these model groups, from {','.join(E2E_GROUPS)} (default: all); "
                              "rows of the others already in --out/e2e.json (same commit) are kept")
-    parser.add_argument("--max-shapes", type=int, default=None, metavar="N",
+    parser.add_argument("--max-shapes", type=positive_int, default=None, metavar="N",
                         help="kernel and peers tables: only the first N distinct shapes (smoke tests)")
     parser.add_argument("--peers", type=Path, metavar="DIR",
                         help="folder of the peer kernels (gnnhwc/, apex_gn/, sfast/; a missing one is skipped)")

@@ -1,5 +1,6 @@
-"""torch.profiler tables of the SD1.5 UNet call (batch 2, fp16) and training step (batch 8, bf16 autocast), stock
-channels_last then patched, for benchmarks/NOTES.md (exploratory, not committed results):
+"""torch.profiler tables of the SD1.5 UNet call (batch 2, fp16), the SD VAE decode to 1024² (fp16) and the training
+step (batch 8, bf16 autocast): stock (the UNet call channels_last, the others NCHW as diffusers builds them) then
+patched, for benchmarks/NOTES.md (exploratory, not committed results):
 
     python benchmarks/tools/profile_e2e.py profile.txt
 """
@@ -12,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gn_patch import patch_model
 from gn_patch.bench.e2e import inference, train_step_call
-from gn_patch.bench.models import build_model, unet_call
+from gn_patch.bench.models import build_model, unet_call, vae_decode_call
 
 
 def profile_calls(name, fn, n, out):
@@ -47,9 +48,14 @@ def main(path):
         patch_model(unet, channels_last=True)
         profile_calls("sd15 unet b2 patched", call, 5, out)
         del unet, call
+        vae = build_model("sd_vae", "cuda", torch.float16)
+        call = inference(vae_decode_call(vae, 128, torch.float16, "cuda"))
+        profile_calls("vae decode 1024 stock_nchw", call, 3, out)
+        patch_model(vae, channels_last=True)
+        profile_calls("vae decode 1024 patched", call, 3, out)
+        del vae, call
         models = SimpleNamespace(unet=build_model("sd15_unet", "cuda", torch.float32).train())
-        models.unet.to(memory_format=torch.channels_last)
-        profile_calls("train b8 stock_cl", train_step_call(models), 2, out)
+        profile_calls("train b8 stock_nchw", train_step_call(models), 2, out)
         patch_model(models.unet, channels_last=True)
         profile_calls("train b8 patched", train_step_call(models), 2, out)
 

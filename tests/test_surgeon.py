@@ -22,10 +22,12 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from diffusers.models.transformers.transformer_temporal import TransformerTemporalModel
 from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
 from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
+from diffusers.models.upsampling import Upsample2D
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gn_patch import GroupNormAct, configs, rules, surgeon
+from gn_patch.rules.sampling import nearest_upsample_2x
 from gn_patch.surgeon import PatchReport, patch_model, unpatch_model
 from .tiny_models import (OpCounter, assert_same_outputs, controlnet_inputs, is_channels_last, make_model,
                           module_types, outputs, perturb_, randn, rel_l2, sd15_unet_inputs, sdxl_unet_inputs,
@@ -499,6 +501,49 @@ def test_conv_weights_get_the_strides_model_to_channels_last_gives():
     unpatch_model(unet)
     for name, weight in unet.named_parameters():
         assert weight.stride() == torch.empty_like(weight, memory_format=torch.contiguous_format).stride(), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Upsample2D: nearest upsampling of channels-last activations by a broadcast copy
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_nearest_upsample_2x_is_interpolate_bitwise(dtype):
+    x = randn(2, 8, 5, 7).to(dtype).contiguous(memory_format=torch.channels_last)
+    x[0, 3, 1, 2], x[1, 0, 4, 6] = float("nan"), float("-inf")
+    expected = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+    got = nearest_upsample_2x(x)
+    assert got.stride() == expected.stride() and torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(got.isnan(), expected.isnan())
+
+
+def test_upsample_2d_switches_class_and_back():
+    upsample = make_model(Upsample2D, dict(channels=8, use_conv=True))
+    x = randn(2, 8, 5, 7).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected, sized = upsample(x), upsample(x, output_size=(10, 15))
+        patch_model(upsample, channels_last=False)
+        assert type(upsample) is not Upsample2D and type(upsample).__name__ == "Upsample2D"
+        assert torch.equal(upsample(x), expected) and torch.equal(upsample(x, output_size=(10, 15)), sized)
+    unpatch_model(upsample)
+    assert type(upsample) is Upsample2D
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_upsample_2d_copies_channels_last_cuda(dtype):
+    """On channels-last CUDA input without a gradient, the patched Upsample2D copies in place of PyTorch's
+    channels-last kernel: bitwise its values and layout. NCHW input, or one that needs a gradient, takes stock's."""
+    upsample = make_model(Upsample2D, dict(channels=16)).cuda()
+    x = randn(2, 16, 9, 11).cuda().to(dtype)
+    patch_model(upsample, channels_last=False)
+    for layout, grad, copies in ((torch.channels_last, False, True), (torch.contiguous_format, False, False),
+                                 (torch.channels_last, True, False)):
+        inp = x.contiguous(memory_format=layout).requires_grad_(grad)
+        expected = torch.nn.functional.interpolate(inp, scale_factor=2.0, mode="nearest")
+        with OpCounter() as counter:
+            got = upsample(inp)
+        assert (counter.calls["aten::upsample_nearest2d"] == 0) == copies, counter.calls
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
 
 
 def test_accelerate_offloaded_conv_weights_are_reported_not_converted():

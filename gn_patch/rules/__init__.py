@@ -6,7 +6,7 @@ digest (``verified``). Adding a model family is adding such declarations, not ed
 :mod:`gn_patch.surgeon`.
 """
 
-from . import attention, containers, resnet, unets, vaes  # noqa: F401  (registers the handlers)
+from . import attention, containers, resnet, sampling, unets, vaes  # noqa: F401  (registers the handlers)
 from .base import ORIGINAL_CLASS, RULES, VERIFIED_SOURCES
 
 __all__ = ["ORIGINAL_CLASS", "RULES", "VERIFIED_SOURCES"]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gn_patch import GroupNormAct, extension, ops
-from gn_patch.bench.cpu import CPU_SHAPE, host_us_per_call
+from gn_patch.bench.cpu import CPU_SHAPE, cpu_candidates, host_us_per_call
 
 
 def candidates():
@@ -45,24 +45,13 @@ def candidates():
 
 
 def training_candidates():
-    """Forward (+ backward) with grad enabled, as a training step calls them: the module's, and stock
-    nn.GroupNorm + nn.SiLU's (gradients accumulate into .grad, as in a step with gradient accumulation)."""
-    groups = 32
+    """Calls with grad enabled: the module's forward alone (its autograd node and saved tensors), then the cpu
+    section's forward + backward rows (gn_patch.bench.cpu), the module's and stock's."""
     x = torch.randn(CPU_SHAPE, dtype=torch.float16, device="cuda").contiguous(memory_format=torch.channels_last)
     x.requires_grad_(True)
-    x_nchw = x.detach().contiguous().requires_grad_(True)
-    dy = torch.randn_like(x)
-    module = GroupNormAct(groups, CPU_SHAPE[1]).to("cuda", torch.float16)
-    stock = torch.nn.Sequential(torch.nn.GroupNorm(groups, CPU_SHAPE[1]), torch.nn.SiLU()).to("cuda", torch.float16)
-
-    def step(model, inp):
-        def call():
-            model(inp).backward(dy)
-        return call
-    return {"GroupNormAct forward only, x requiring grad [autograd node, saved tensors]": lambda: module(x),
-            "GroupNormAct fwd+bwd (channels_last)": step(module, x),
-            "nn.GroupNorm + nn.SiLU fwd+bwd (NCHW)": step(stock, x_nchw),
-            "nn.GroupNorm + nn.SiLU fwd+bwd (channels_last)": step(stock, x)}
+    module = GroupNormAct(32, CPU_SHAPE[1]).to("cuda", torch.float16)
+    rows = {name: call for name, (call, _) in cpu_candidates(kernels_ok=True).items() if name.endswith("fwd+bwd")}
+    return {"GroupNormAct forward only, x requiring grad [autograd node, saved tensors]": lambda: module(x), **rows}
 
 
 def main():

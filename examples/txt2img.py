@@ -246,7 +246,8 @@ def run_variants(pipe: DiffusionPipeline, prompt_kwargs: dict, args: argparse.Na
         phase(f"stock run under torch.compile({COMPILE_OPTIONS}): two {WARMUP_STEPS}-step warm-ups (compilation), "
               f"then {args.steps} steps timed")
         runs["compiled"] = compile_anchor(pipe, prompt_kwargs, args)
-    phase("patching the pipeline" + (" (first use on a GPU compiles the kernels)" if args.device.type == "cuda" else ""))
+    on_gpu = args.device.type == "cuda"
+    phase("patching the pipeline" + (" (first use on a GPU compiles the kernels)" if on_gpu else ""))
     report = patch_pipeline(pipe)
     phase(f"patched run: {timing}")
     runs["patched"] = timed_generate(pipe, prompt_kwargs, args)

@@ -60,6 +60,7 @@ _lib.define(
     " -> Tensor"
 )
 _DISPATCH = torch.ops.gn_patch.group_norm_act_dispatch.default
+_lib.define("bias_residual_add(Tensor residual, Tensor x, Tensor bias) -> Tensor")
 
 
 def canonical_activation(activation: str | None) -> str:
@@ -339,6 +340,27 @@ def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, 
 # ------------------------------------------------------------------------------------------------
 # Public function
 # ------------------------------------------------------------------------------------------------
+@torch.library.impl("gn_patch::bias_residual_add", "CPU")
+@torch.library.register_fake("gn_patch::bias_residual_add")
+def bias_residual_add(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``residual + (x + bias.view(1, C, 1, ...))`` with PyTorch's adds, each rounded to the tensors' dtype: the end of
+    a diffusers resnet block, ``input_tensor + conv2(h)``, with conv2 run without its bias (``x``). On CUDA the op
+    ``gn_patch::bias_residual_add`` computes it in one pass (csrc/residual.cu, the same values bit for bit) where x
+    and residual are channels-last with the same shape, strides and dtype (float16, bfloat16 or float32) and bias is
+    (C,) of their dtype; elsewhere, and on the CPU and in tracing (this function), with the two adds. Not
+    differentiable on CUDA: the surgeon calls it only where no gradient is recorded.
+
+    Args:
+        residual, x: (N, C, *spatial), 1 to 3 spatial dims.
+        bias: (C,).
+    Returns:
+        The sum, in the layout PyTorch's adds give it (channels-last for channels-last inputs).
+    Raises:
+        RuntimeError: shapes that do not broadcast, as PyTorch's add raises.
+    """
+    return residual + (x + bias.reshape(1, -1, *(1,) * (x.dim() - 2)))
+
+
 def _safe_group_norm(x, num_groups, weight, bias, eps):
     """F.group_norm, steered around two faults of PyTorch's GroupNorm backward: a SIGSEGV of the CPU kernel (torch
     2.13) for channels-last input when the input needs no gradient but the weight or bias does (norm-only

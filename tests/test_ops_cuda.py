@@ -822,3 +822,80 @@ def test_export_of_a_patched_unet_keeps_the_op_cuda():
             out = exported.module()(**inputs)
         assert counter.calls["gn_patch::group_norm_act"] == norms, counter.calls
         tiny_models.assert_same_outputs(out, patched(**inputs), tol=1e-3)
+
+
+# gn_patch::bias_residual_add (csrc/residual.cu): diffusers' `input_tensor + conv2(h)` with conv2's bias added in the
+# same pass. Cases: 16-byte vectors, narrower vectors (C = 12: 8 bytes in fp16), scalar accesses (C = 3), rank 5,
+# several blocks per row of vectors.
+RESIDUAL_SHAPES = {"sd_resnet": (2, 320, 16, 16), "vectors_of_4": (2, 12, 5, 7), "scalar": (2, 3, 4, 5),
+                   "rank5": (1, 16, 3, 4, 4), "vae_rows": (1, 128, 96, 96)}
+
+
+def _pytorch_bias_residual_add(residual, x, bias):
+    return residual + (x + bias.view(1, -1, *(1,) * (x.dim() - 2)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", RESIDUAL_SHAPES)
+def test_bias_residual_add_is_pytorchs_two_adds(case, dtype):
+    """The kernel's sum equals PyTorch's `residual + (x + bias)` bit for bit (each add rounded to the dtype), in the
+    layout PyTorch's adds give (channels-last)."""
+    shape = RESIDUAL_SHAPES[case]
+    residual, x = random_input(shape, dtype, "cuda", seed=1), random_input(shape, dtype, "cuda", seed=2)
+    bias = affine(shape[1], dtype)[1]
+    poisoned(x)
+    y = torch.ops.gn_patch.bias_residual_add(residual, x, bias)
+    expected = _pytorch_bias_residual_add(residual, x, bias)
+    assert torch.equal(y, expected) and y.stride() == expected.stride()
+
+
+@pytest.mark.parametrize("layout", ["unaligned", "residual_nchw", "bias_float32", "bias_strided"])
+def test_bias_residual_add_other_layouts(layout):
+    """Pointers off a 16-byte boundary take narrower vectors; a residual of another layout, a bias of another dtype
+    (type promotion) or a strided bias take PyTorch's adds: PyTorch's values, dtype and layout every time."""
+    shape, dtype = (2, 64, 6, 10), torch.float16
+    x = random_input(shape, dtype, "cuda", layout="unaligned" if layout == "unaligned" else "channels_last", seed=2)
+    residual = random_input(shape, dtype, "cuda", layout="nchw" if layout == "residual_nchw" else "channels_last")
+    bias = affine(2 * shape[1], torch.float32 if layout == "bias_float32" else dtype)[1]
+    bias = bias[::2] if layout == "bias_strided" else bias[: shape[1]]
+    poisoned(x)
+    y = torch.ops.gn_patch.bias_residual_add(residual, x, bias)
+    expected = _pytorch_bias_residual_add(residual, x, bias)
+    assert torch.equal(y, expected) and y.dtype == expected.dtype and y.stride() == expected.stride()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_residual_add_propagates_nan_and_inf(dtype):
+    shape = (2, 32, 5, 5)
+    residual, x = random_input(shape, dtype, "cuda", seed=1), random_input(shape, dtype, "cuda", seed=2)
+    bias = affine(shape[1], dtype)[1]
+    residual[0, 1, 2, 3], x[1, 2, 0, 0], x[0, 5, 1, 1], residual[0, 5, 1, 1] = math.inf, math.nan, math.inf, -math.inf
+    bias[7] = math.nan
+    y = torch.ops.gn_patch.bias_residual_add(residual, x, bias)
+    torch.testing.assert_close(y, _pytorch_bias_residual_add(residual, x, bias), rtol=0, atol=0, equal_nan=True)
+
+
+def test_bias_residual_add_beyond_2_31_vectors():
+    """More than 2^31 vectors (scalar accesses of C = 3): the kernel's 64-bit indexing, checked at both ends."""
+    shape = (1, 3, 32768, 21846)  # 2^31 + 65536 elements
+    x = torch.empty(shape, dtype=torch.bfloat16, device="cuda", memory_format=torch.channels_last).normal_()
+    residual, bias = torch.randn_like(x), torch.randn(3, dtype=torch.bfloat16, device="cuda")
+    y = torch.ops.gn_patch.bias_residual_add(residual, x, bias)
+    for rows in (slice(0, 4), slice(-4, None)):
+        assert torch.equal(y[:, :, rows], _pytorch_bias_residual_add(residual[:, :, rows], x[:, :, rows], bias))
+    del x, residual, y
+    torch.cuda.empty_cache()
+
+
+def test_bias_residual_add_in_cuda_graph():
+    shape, dtype = (2, 64, 8, 8), torch.float16
+    residual, x = random_input(shape, dtype, "cuda", seed=1), random_input(shape, dtype, "cuda", seed=2)
+    bias = affine(shape[1], dtype)[1]
+    op = torch.ops.gn_patch.bias_residual_add
+    op(residual, x, bias)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = op(residual, x, bias)
+    x.add_(1.0)
+    graph.replay()
+    assert torch.equal(y, _pytorch_bias_residual_add(residual, x, bias))

@@ -26,7 +26,7 @@ from diffusers.models.upsampling import Upsample2D
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gn_patch import GroupNormAct, configs, rules, surgeon
+from gn_patch import GroupNormAct, configs, extension, rules, surgeon
 from gn_patch.rules.sampling import nearest_upsample_2x
 from gn_patch.surgeon import PatchReport, patch_model, unpatch_model
 from .tiny_models import (OpCounter, assert_same_outputs, controlnet_inputs, is_channels_last, make_model,
@@ -332,12 +332,70 @@ def test_resnet_block_conv1_bias_joins_norm2_cuda(conv1_wrapped, mode):
     assert_same_outputs(y, expected, 4e-3)
     assert fired == (conv1_wrapped in ("hook", "instance_forward", "norm2_pre_hook"))
     folded = conv1_wrapped is None
-    assert [b is None for b in biases] == [folded or conv1_wrapped == "bias_none", False]  # conv1, conv2
+    # conv1's bias folded into norm2, conv2's into the residual sum (test_resnet_block_conv2_bias_joins_residual_sum)
+    assert [b is None for b in biases] == [folded or conv1_wrapped == "bias_none", True]  # conv1, conv2
     offset, bias = terms[1]
     assert (bias is not None) == folded and (bias is None or bias.shape == (32,))
     assert (offset is not None) == (mode == "default" and conv1_wrapped != "norm2_pre_hook")
     if conv1_wrapped in ("hook", "instance_forward"):  # not folded: the same output as the folded block's
         assert torch.equal(y, _run_resnet_recording(None, "cuda", torch.float16, kwargs)[0])
+
+
+CONV2_FOLDS = {"plain": True, "shortcut": True, "factor_2": False, "factor_tensor": False, "conv2_hook": False,
+               "bias_none": False, "grad": False}
+
+
+def _conv2_case(case: str, device: str):
+    """A patched default ResnetBlock2D (fp16 on CUDA) set up as ``case`` names and its channels-last input."""
+    block = make_resnet(out_channels=48 if case == "shortcut" else None)
+    if case == "bias_none":
+        block.conv2.bias = None
+    block = block.to(device, torch.float16 if device == "cuda" else torch.float32)
+    patch_model(block)
+    if case == "factor_2":
+        block.output_scale_factor = 2.0
+    elif case == "factor_tensor":
+        block.output_scale_factor = torch.tensor(1.0, device=device)
+    elif case == "conv2_hook":
+        block.conv2.register_forward_hook(lambda *_: None)
+    x = randn(2, 32, 8, 8).to(device, block.conv1.weight.dtype, memory_format=torch.channels_last)
+    return block, x.requires_grad_(case == "grad")
+
+
+@pytest.mark.parametrize("case", CONV2_FOLDS)
+def test_conv2_bias_folds_only_where_stock_values_follow(case, monkeypatch):
+    """conv2's bias joins the residual sum only where conv1's would join norm2 (conv_bias_folds: same conditions on
+    conv2 and the input), output_scale_factor is the number 1.0 and the kernels are loaded."""
+    monkeypatch.setattr(extension, "kernels_available", lambda: True)
+    block, x = _conv2_case(case, "cpu")
+    cuda_like = SimpleNamespace(is_cuda=True, requires_grad=x.requires_grad)
+    with torch.set_grad_enabled(case == "grad"):
+        assert rules.resnet.conv2_bias_folds(block, cuda_like) == CONV2_FOLDS[case]
+        assert not rules.resnet.conv2_bias_folds(block, x)  # a CPU input
+    monkeypatch.setattr(extension, "kernels_available", lambda: False)
+    assert not rules.resnet.conv2_bias_folds(block, cuda_like)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CONV2_FOLDS)
+def test_resnet_block_conv2_bias_joins_residual_sum_cuda(case):
+    """On CUDA, conv2 runs without its bias and gn_patch::bias_residual_add adds it with the residual in one pass,
+    where conv2_bias_folds holds: the block's output is bit for bit the one it gives with conv2 run as it is (a
+    forward hook on conv2 turns the fold off), since the op rounds both adds as PyTorch's."""
+    block, x = _conv2_case(case, "cuda")
+    unfolded = copy.deepcopy(block)
+    unfolded.conv2.register_forward_hook(lambda *_: None)
+    temb = randn(2, 16, seed=1).to("cuda", torch.float16)
+    with torch.set_grad_enabled(case == "grad"), \
+            _OpArguments("gn_patch::bias_residual_add", "aten::convolution") as recorded:
+        y = block(x, temb)
+    with torch.set_grad_enabled(case == "grad"):
+        expected = unfolded(x, temb)
+    folded = CONV2_FOLDS[case]
+    assert sum(name == "gn_patch::bias_residual_add" for name, _ in recorded.calls) == folded
+    conv2_bias = [args[2] for name, args in recorded.calls if name == "aten::convolution"][1]
+    assert (conv2_bias is None) == (folded or case == "bias_none")
+    assert torch.equal(y, expected) and y.stride() == expected.stride()
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ from torch import nn
 from .modules import GroupNormAct
 from .report import PatchReport, join_name
 from .rules import ORIGINAL_CLASS, RULES
-from .rules.base import (ADDED_STATE, VERSION_SKIP, FusedActivation, StockLayoutGroupNorm, Surgery,
+from .rules.base import (ADDED_STATE, VERSION_SKIP, FusedActivation, StockLayoutGroupNorm, Surgery, accelerate_hooks,
                          forward_override_problem, fuse_norm, has_hooks, patched_class, restore,
                          wrapped_class)
 
@@ -128,9 +128,8 @@ def _conv_weights(model: nn.Module, formats: dict[type, torch.memory_format]):
 def _offloaded(module: nn.Module) -> bool:
     """An accelerate hook of ``module`` keeps the weights and loads them on every call (cpu_offload,
     enable_sequential_cpu_offload, disk offload: AlignDevicesHook with a weights_map)."""
-    hook = module.__dict__.get("_hf_hook")
-    return any(getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None
-               for h in getattr(hook, "hooks", (hook,)))  # SequentialHook holds several
+    return any(getattr(hook, "offload", False) and getattr(hook, "weights_map", None) is not None
+               for hook in accelerate_hooks(module))
 
 
 def _layout_kept(module: nn.Module, weight: nn.Parameter) -> str | None:

@@ -286,11 +286,19 @@ def runs_forward_only(module: nn.Module) -> bool:
                 or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
 
 
-def only_moves_tensors(hook) -> bool:
-    """accelerate hooks that move weights and tensors between devices without changing values."""
-    if isinstance(hook, SequentialHook):
-        return all(only_moves_tensors(h) for h in hook.hooks)
-    return isinstance(hook, AlignDevicesHook)
+def accelerate_hooks(module: nn.Module) -> tuple:
+    """The accelerate hooks attached to ``module`` (its ``_hf_hook``, a SequentialHook's parts), none if it has
+    none."""
+    def parts(hook) -> tuple:
+        return tuple(p for h in hook.hooks for p in parts(h)) if isinstance(hook, SequentialHook) else (hook,)
+
+    hook = module.__dict__.get("_hf_hook")
+    return () if hook is None else parts(hook)
+
+
+def only_moves_tensors(module: nn.Module) -> bool:
+    """``module``'s accelerate hooks (if any) move weights and tensors between devices without changing values."""
+    return all(isinstance(hook, AlignDevicesHook) for hook in accelerate_hooks(module))
 
 
 class Surgery:
@@ -331,7 +339,7 @@ class Surgery:
             return "the GroupNorm is registered in several places, not all followed by the activation"
         if has_output_hooks(norm):
             return "forward/backward hooks on the GroupNorm would see the activated output"
-        if "_hf_hook" in norm.__dict__ and not only_moves_tensors(norm._hf_hook):
+        if not only_moves_tensors(norm):
             return f"accelerate hook {type(norm._hf_hook).__name__} on the GroupNorm may change its output"
         return forward_override_problem(norm)
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers.models.upsampling import Upsample2D
-from diffusers.utils import deprecate
-from diffusers.utils.import_utils import is_torch_version
+from torch import nn
 
-from .base import forward_override_problem, rule, set_class, stands_in_for, unverified, verified
-
-verified(Upsample2D.forward, "a42c758233dcf892")
+from .fusion import fusion
 
 
 def nearest_upsample_2x(x: torch.Tensor) -> torch.Tensor:
@@ -45,61 +42,15 @@ def _copies_instead(x: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and x.requires_grad))
 
 
-@stands_in_for(Upsample2D)
-class _ChannelsLastUpsample2D(Upsample2D):
-    """Upsample2D whose nearest upsampling of a channels-last CUDA input is nearest_upsample_2x; otherwise stock's
-    forward (diffusers 0.42.1), statement for statement."""
-
-    def forward(self, hidden_states: torch.Tensor, output_size: int | None = None, *args, **kwargs) -> torch.Tensor:
-        if len(args) > 0 or kwargs.get("scale", None) is not None:
-            deprecation_message = "The `scale` argument is deprecated and will be ignored. Please remove it, as passing it will raise an error in the future. `scale` should directly be passed while calling the underlying pipeline component i.e., via `cross_attention_kwargs`."  # noqa: E501
-            deprecate("scale", "1.0.0", deprecation_message)
-
-        assert hidden_states.shape[1] == self.channels
-
-        if self.norm is not None:
-            hidden_states = self.norm(hidden_states.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-        if self.use_conv_transpose:
-            return self.conv(hidden_states)
-
-        dtype = hidden_states.dtype
-        if dtype == torch.bfloat16 and is_torch_version("<", "2.1"):
-            hidden_states = hidden_states.to(torch.float32)
-
-        if hidden_states.shape[0] >= 64:
-            hidden_states = hidden_states.contiguous()
-
-        if self.interpolate:
-            scale_factor = (
-                2 if output_size is None else max([f / s for f, s in zip(output_size, hidden_states.shape[-2:])])
-            )
-            if hidden_states.numel() * scale_factor > pow(2, 31):
-                hidden_states = hidden_states.contiguous()
-
-            if output_size is None:
-                if _copies_instead(hidden_states):
-                    hidden_states = nearest_upsample_2x(hidden_states)
-                else:
-                    hidden_states = F.interpolate(hidden_states, scale_factor=2.0, mode="nearest")
-            else:
-                hidden_states = F.interpolate(hidden_states, size=output_size, mode="nearest")
-
-        if dtype == torch.bfloat16 and is_torch_version("<", "2.1"):
-            hidden_states = hidden_states.to(dtype)
-
-        if self.use_conv:
-            if self.name == "conv":
-                hidden_states = self.conv(hidden_states)
-            else:
-                hidden_states = self.Conv2d_0(hidden_states)
-
-        return hidden_states
+def upsample_nearest_2x(upsample: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Upsample2D's ``F.interpolate(hidden_states, scale_factor=2.0, mode="nearest")``, by nearest_upsample_2x where
+    _copies_instead holds."""
+    if _copies_instead(hidden_states):
+        return nearest_upsample_2x(hidden_states)
+    return F.interpolate(hidden_states, scale_factor=2.0, mode="nearest")
 
 
-@rule(Upsample2D, _ChannelsLastUpsample2D)
-def upsample_2d(s, name, upsample) -> None:
-    """Switch a stock Upsample2D (its forward as read, no instance-level wrapper) to the class above."""
-    if (type(upsample) is Upsample2D and unverified(type(upsample).forward) is None
-            and forward_override_problem(upsample) is None):
-        set_class(upsample, _ChannelsLastUpsample2D)
+# Upsample2D's forward with its nearest upsampling by 2 (no output_size) through upsample_nearest_2x; no norms.
+_NEAREST = 'hidden_states = F.interpolate(hidden_states, scale_factor=2.0, mode="nearest")'
+fusion(Upsample2D, "a42c758233dcf892", rewrites={_NEAREST: "hidden_states = self.upsample_nearest_2x(hidden_states)"},
+       helpers={"upsample_nearest_2x": upsample_nearest_2x})

@@ -347,8 +347,9 @@ def bias_residual_add(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     a diffusers resnet block, ``input_tensor + conv2(h)``, with conv2 run without its bias (``x``). On CUDA the op
     ``gn_patch::bias_residual_add`` computes it in one pass (csrc/residual.cu, the same values bit for bit) where x
     and residual are channels-last with the same shape, strides and dtype (float16, bfloat16 or float32) and bias is
-    (C,) of their dtype; elsewhere, and on the CPU and in tracing (this function), with the two adds. Not
-    differentiable on CUDA: the surgeon calls it only where no gradient is recorded.
+    (C,) of their dtype; elsewhere, and on the CPU and in tracing (this function), with the two adds. The op is not
+    differentiable (no autograd kernel: autograd warns and records nothing): the surgeon calls it only where no
+    gradient is recorded.
 
     Args:
         residual, x: (N, C, *spatial), 1 to 3 spatial dims.

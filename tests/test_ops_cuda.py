@@ -825,10 +825,10 @@ def test_export_of_a_patched_unet_keeps_the_op_cuda():
 
 
 # gn_patch::bias_residual_add (csrc/residual.cu): diffusers' `input_tensor + conv2(h)` with conv2's bias added in the
-# same pass. Cases: 16-byte vectors, narrower vectors (C = 12: 8 bytes in fp16), scalar accesses (C = 3), rank 5,
-# several blocks per row of vectors.
-RESIDUAL_SHAPES = {"sd_resnet": (2, 320, 16, 16), "vectors_of_4": (2, 12, 5, 7), "scalar": (2, 3, 4, 5),
-                   "rank5": (1, 16, 3, 4, 4), "vae_rows": (1, 128, 96, 96)}
+# same pass. Cases: 16-byte vectors, narrower vectors (C = 12: 8 bytes in fp16; C = 6: 4 bytes, 8 in fp32), scalar
+# accesses (C = 3), rank 5, several blocks per row of vectors.
+RESIDUAL_SHAPES = {"sd_resnet": (2, 320, 16, 16), "vectors_of_4": (2, 12, 5, 7), "vectors_of_2": (2, 6, 5, 7),
+                   "scalar": (2, 3, 4, 5), "rank5": (1, 16, 3, 4, 4), "vae_rows": (1, 128, 96, 96)}
 
 
 def _pytorch_bias_residual_add(residual, x, bias):
@@ -873,6 +873,29 @@ def test_bias_residual_add_propagates_nan_and_inf(dtype):
     bias[7] = math.nan
     y = torch.ops.gn_patch.bias_residual_add(residual, x, bias)
     torch.testing.assert_close(y, _pytorch_bias_residual_add(residual, x, bias), rtol=0, atol=0, equal_nan=True)
+
+
+def _residual_kernel_launches(call) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    return sum("bias_residual_add_kernel" in event.name for event in profile.events())
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "unaligned", "residual_nchw", "bias_float32", "bias_strided",
+                                    "nchw"])
+def test_bias_residual_add_runs_its_kernel_where_it_takes_the_inputs(layout):
+    """The kernel runs (one launch) for channels-last inputs of one layout and dtype, aligned or not, and not where
+    PyTorch's adds stand in: the tests above would pass either way."""
+    shape, dtype = (2, 64, 6, 10), torch.float16
+    x_layout = {"unaligned": "unaligned", "nchw": "nchw"}.get(layout, "channels_last")
+    x = random_input(shape, dtype, "cuda", layout=x_layout, seed=2)
+    residual = random_input(shape, dtype, "cuda", layout="nchw" if layout in ("residual_nchw", "nchw")
+                            else "channels_last")
+    bias = affine(2 * shape[1], torch.float32 if layout == "bias_float32" else dtype)[1]
+    bias = bias[::2] if layout == "bias_strided" else bias[: shape[1]]
+    launches = _residual_kernel_launches(lambda: torch.ops.gn_patch.bias_residual_add(residual, x, bias))
+    assert launches == (layout in ("channels_last", "unaligned"))
 
 
 def test_bias_residual_add_beyond_2_31_vectors():

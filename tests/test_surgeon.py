@@ -376,6 +376,52 @@ def test_conv2_bias_folds_only_where_stock_values_follow(case, monkeypatch):
     assert not rules.resnet.conv2_bias_folds(block, cuda_like)
 
 
+def test_conv2_bias_keeps_out_of_a_library_without_the_residual_kernel(monkeypatch):
+    """A library compiled before gn_patch::bias_residual_add existed (an editable install's) loads but has no CUDA
+    kernel for it: the blocks keep conv2's bias instead of calling the op."""
+    monkeypatch.setattr(extension, "kernels_available", lambda: True)
+    monkeypatch.setattr(rules.resnet, "_residual_kernel_loaded", lambda: False)
+    block, _ = _conv2_case("plain", "cpu")
+    assert not rules.resnet.conv2_bias_folds(block, SimpleNamespace(is_cuda=True, requires_grad=False))
+
+
+def test_compiled_modules_do_not_run_forward_only():
+    conv = nn.Conv2d(4, 4, 1)
+    assert rules.base.runs_forward_only(conv)
+    conv.compile()
+    assert not rules.base.runs_forward_only(conv)
+
+
+@pytest.mark.parametrize("residual_grad", [False, True], ids=["no_grad", "trainable_shortcut"])
+def test_resnet_block_conv2_bias_folded_gives_stocks_values(residual_grad, monkeypatch):
+    """With the fold forced on the CPU (the op is then its two PyTorch adds), a patched block computes stock's output;
+    where only the residual records a gradient (a trainable conv_shortcut beside a frozen block), residual_sum_with_bias
+    takes PyTorch's adds and the shortcut's gradients are stock's."""
+    monkeypatch.setattr(rules.resnet, "conv2_bias_folds", lambda block, hidden_states: True)
+    block = make_resnet(out_channels=48)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    block.conv_shortcut.weight.requires_grad_(residual_grad)
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    x, temb = randn(2, 32, 8, 8), randn(2, 16, seed=1)
+    outputs, grads = [], []
+    for model in (block, patched):
+        with torch.set_grad_enabled(residual_grad), \
+                _OpArguments("gn_patch::bias_residual_add", "aten::convolution") as recorded:
+            out = model(x, temb)
+        outputs.append(out)
+        if residual_grad:
+            (out * randn(*out.shape, seed=2)).sum().backward()
+            grads.append(model.conv_shortcut.weight.grad)
+        if model is patched:
+            assert sum(name == "gn_patch::bias_residual_add" for name, _ in recorded.calls) == (not residual_grad)
+            assert [args[2] for name, args in recorded.calls if name == "aten::convolution"][1] is None  # conv2's
+    assert_same_outputs(outputs[1], outputs[0], 1e-5)
+    if residual_grad:
+        assert rel_l2(grads[1], grads[0]) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CONV2_FOLDS)
 def test_resnet_block_conv2_bias_joins_residual_sum_cuda(case):

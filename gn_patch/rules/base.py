@@ -279,9 +279,10 @@ def has_hooks(module: nn.Module) -> bool:
 def runs_forward_only(module: nn.Module) -> bool:
     """Calling ``module`` would run its class's forward and nothing else (torch.nn.Module._call_impl's fast path):
     no hooks of its own or global ones, no forward set on the instance but the bound class forward that
-    accelerate's remove_hook_from_module leaves."""
+    accelerate's remove_hook_from_module leaves, not compiled by ``module.compile()``."""
     own = module.__dict__.get("forward")
     return not (has_hooks(module) or (own is not None and not is_bound_class_forward(own, module))
+                or module._compiled_call_impl is not None
                 or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
                 or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
 

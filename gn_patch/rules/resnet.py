@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from diffusers.models.normalization import AdaGroupNorm
@@ -50,7 +52,15 @@ def conv2_bias_folds(block: ResnetBlock2D, hidden_states: torch.Tensor) -> bool:
     skips it) and gn_patch's CUDA kernels loaded."""
     factor = block.output_scale_factor
     return (isinstance(factor, (int, float)) and factor == 1.0 and conv_bias_folds(block.conv2, hidden_states)
-            and extension.kernels_available())
+            and extension.kernels_available() and _residual_kernel_loaded())
+
+
+@functools.cache
+def _residual_kernel_loaded() -> bool:
+    """The loaded library implements gn_patch::bias_residual_add on CUDA (one compiled before the op existed, kept in
+    the package by an editable install, does not: the blocks then keep conv2's bias). Asked once the kernels are
+    loaded."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("gn_patch::bias_residual_add", "CUDA")
 
 
 def conv_bias_folds(conv: nn.Module, hidden_states: torch.Tensor) -> bool:
@@ -76,7 +86,9 @@ def residual_sum_with_bias(block: ResnetBlock2D, input_tensor: torch.Tensor, hid
                            conv2_bias: torch.Tensor) -> torch.Tensor:
     """Stock's ``input_tensor + conv2(h)`` from conv2's output without its bias (conv2_without_bias folded it,
     output_scale_factor being 1.0): both adds in one pass (gn_patch::bias_residual_add, which takes the two adds
-    itself where the layouts differ); PyTorch's adds where the residual records a gradient (the op has none)."""
+    itself where the layouts differ); PyTorch's adds where the residual records a gradient (the op is not
+    differentiable; conv2's input records none, or the bias would not have been folded, but the residual may: a
+    trainable conv_shortcut)."""
     if torch.is_grad_enabled() and input_tensor.requires_grad:
         return input_tensor + (hidden_states + conv2_bias.view(1, -1, 1, 1))
     return torch.ops.gn_patch.bias_residual_add(input_tensor, hidden_states, conv2_bias)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import diffusers
 import torch
@@ -20,6 +21,7 @@ from ab_input_offset import graph_of, timed
 
 from gn_patch import configs, patch_model, rules
 from gn_patch.bench.models import unet_call, vae_decode_call
+from gn_patch.bench.results import run_metadata
 
 FUSED_BLOCK = rules.fusion.fused_class(rules.fusion.FUSIONS[diffusers.models.resnet.ResnetBlock2D])
 VARIANTS = {"folded": FUSED_BLOCK.conv2_without_bias,
@@ -68,8 +70,9 @@ def main() -> None:
         out.append(measure(f"sd_vae decode {8 * latent}", vae_decode_call(vae, latent, torch.float16, "cuda"),
                            args.rounds, args.repeats))
     if args.json:
+        metadata = {**run_metadata(False, []), "command": " ".join(["python", *sys.argv])}
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({"metadata": metadata, "rows": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,14 @@ Alternating rounds of eager calls (CUDA events) and CUDA-graph replays; prints t
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 
 import diffusers
 import torch
-from ab_input_offset import graph_of, timed
+from ab_input_offset import ab_arguments, measure, measure_sd
 
-from gn_patch import configs, patch_model, rules
-from gn_patch.bench.models import unet_call, vae_decode_call
+from gn_patch import rules
 from gn_patch.bench.results import run_metadata
 
 FUSED_BLOCK = rules.fusion.fused_class(rules.fusion.FUSIONS[diffusers.models.resnet.ResnetBlock2D])
@@ -32,43 +29,10 @@ def use(variant: str) -> None:
     FUSED_BLOCK.conv2_without_bias = VARIANTS[variant]
 
 
-def measure(name: str, call, rounds: int, repeats: int) -> dict:
-    graphs, rows = {}, {variant: {"eager_ms": [], "graph_ms": []} for variant in VARIANTS}
-    with torch.no_grad():
-        for variant in VARIANTS:
-            use(variant)
-            graphs[variant] = graph_of(call)
-        for _ in range(rounds):
-            for variant in VARIANTS:
-                use(variant)
-                rows[variant]["eager_ms"].append(timed(call, repeats))
-                rows[variant]["graph_ms"].append(timed(graphs[variant].replay, repeats))
-    use("folded")
-    summary = {variant: {key: statistics.median(values) for key, values in row.items()}
-               for variant, row in rows.items()}
-    print(name, json.dumps(summary))
-    return {"model": name, **summary, "rounds": rows}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = ab_arguments(__doc__)
     torch.manual_seed(0)
-    out = []
-    with torch.device("cuda"):
-        unet = diffusers.UNet2DConditionModel(**configs.SD15_UNET).to(torch.float16).eval()
-    patch_model(unet, channels_last=True)
-    out.append(measure("sd15_unet b2 64x64", unet_call(unet, 2, 64, torch.float16, "cuda"), args.rounds, args.repeats))
-    del unet
-    with torch.device("cuda"):
-        vae = diffusers.AutoencoderKL(**configs.SD_VAE).to(torch.float16).eval()
-    patch_model(vae, channels_last=True)
-    for latent in (64, 128):
-        out.append(measure(f"sd_vae decode {8 * latent}", vae_decode_call(vae, latent, torch.float16, "cuda"),
-                           args.rounds, args.repeats))
+    out = measure_sd(lambda name, call: measure(name, call, args.rounds, args.repeats, VARIANTS, use), (64, 128))
     if args.json:
         metadata = {**run_metadata(False, []), "command": " ".join(["python", *sys.argv])}
         with open(args.json, "w") as f:

@@ -71,47 +71,61 @@ def graph_of(call):
     return graph
 
 
-def measure(name: str, call, rounds: int, repeats: int) -> dict:
-    graphs, rows = {}, {variant: {"eager_ms": [], "graph_ms": []} for variant in VARIANTS}
+def measure(name: str, call, rounds: int, repeats: int, variants=VARIANTS, use=use) -> dict:
+    """Alternating rounds of ``call`` under each of ``variants`` (switched by ``use``; the first is left on after),
+    eager and graph-replayed; the medians, and every round."""
+    graphs, rows = {}, {variant: {"eager_ms": [], "graph_ms": []} for variant in variants}
     with torch.no_grad():
-        for variant in VARIANTS:
+        for variant in variants:
             use(variant)
             graphs[variant] = graph_of(call)
         for _ in range(rounds):
-            for variant in VARIANTS:
+            for variant in variants:
                 use(variant)
                 rows[variant]["eager_ms"].append(timed(call, repeats))
                 rows[variant]["graph_ms"].append(timed(graphs[variant].replay, repeats))
-    use("bias_and_temb")
+    use(next(iter(variants)))
     summary = {variant: {key: statistics.median(values) for key, values in row.items()}
                for variant, row in rows.items()}
     print(name, json.dumps(summary))
     return {"model": name, **summary, "rounds": rows}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    torch.manual_seed(0)
+def measure_sd(ab, vae_latents=(128,)) -> list[dict]:
+    """``ab(name, call)`` on the SD1.5 UNet call at batch 2 and the SD VAE decodes from the given latent sizes
+    (patched float16 models of random weights, built one after the other)."""
     out = []
-    with torch.device("cuda"):
-        motion = diffusers.UNetMotionModel(**configs.ANIMATEDIFF_UNET).to(torch.float16).eval()
-    patch_model(motion, channels_last=True)
-    out.append(measure("animatediff_unet b2 16x64x64", animatediff_call(motion, 2, 16, 64), args.rounds, args.repeats))
-    del motion
     with torch.device("cuda"):
         unet = diffusers.UNet2DConditionModel(**configs.SD15_UNET).to(torch.float16).eval()
     patch_model(unet, channels_last=True)
-    out.append(measure("sd15_unet b2 64x64", unet_call(unet, 2, 64, torch.float16, "cuda"), args.rounds, args.repeats))
+    out.append(ab("sd15_unet b2 64x64", unet_call(unet, 2, 64, torch.float16, "cuda")))
     del unet
     with torch.device("cuda"):
         vae = diffusers.AutoencoderKL(**configs.SD_VAE).to(torch.float16).eval()
     patch_model(vae, channels_last=True)
-    out.append(measure("sd_vae decode 1024", vae_decode_call(vae, 128, torch.float16, "cuda"), args.rounds,
-                       args.repeats))
+    for latent in vae_latents:
+        out.append(ab(f"sd_vae decode {8 * latent}", vae_decode_call(vae, latent, torch.float16, "cuda")))
+    return out
+
+
+def ab_arguments(doc: str) -> argparse.Namespace:
+    """The command line of the A/B tools: --rounds, --repeats, --json."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = ab_arguments(__doc__)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        motion = diffusers.UNetMotionModel(**configs.ANIMATEDIFF_UNET).to(torch.float16).eval()
+    patch_model(motion, channels_last=True)
+    out = [measure("animatediff_unet b2 16x64x64", animatediff_call(motion, 2, 16, 64), args.rounds, args.repeats)]
+    del motion
+    out += measure_sd(lambda name, call: measure(name, call, args.rounds, args.repeats))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

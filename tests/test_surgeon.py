@@ -367,6 +367,7 @@ def test_conv2_bias_folds_only_where_stock_values_follow(case, monkeypatch):
     """conv2's bias joins the residual sum only where conv1's would join norm2 (conv_bias_folds: same conditions on
     conv2 and the input), output_scale_factor is the number 1.0 and the kernels are loaded."""
     monkeypatch.setattr(extension, "kernels_available", lambda: True)
+    monkeypatch.setattr(rules.resnet, "_residual_kernel_loaded", lambda: True)  # no library on a CPU-only torch
     block, x = _conv2_case(case, "cpu")
     cuda_like = SimpleNamespace(is_cuda=True, requires_grad=x.requires_grad)
     with torch.set_grad_enabled(case == "grad"):

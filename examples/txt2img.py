@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the comparison; returns the result dict also appended to --json."""
     args = parse_args(argv)
     phase(f"loading {args.model}" if args.model else
-          f"building the {args.arch} pipeline with random weights on {args.device} (a minute on a CPU)")
+          f"building the {args.arch} pipeline with random weights on {args.device} (seconds to a minute on a CPU)")
     pipe, prompt_kwargs = load_pipeline(args)
 
     reference = None

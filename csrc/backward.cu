@@ -8,7 +8,9 @@
 //
 // Clustered (one kernel, the forward's kind of geometry): each block sums A and B per channel over its rows, the
 // blocks of each image in the cluster combine theirs in rank order through distributed shared memory, and every
-// block computes dx for its rows (from registers when resident).
+// block computes dx for its rows (from registers when resident). A block without a cluster (splits = 1) reduces
+// each thread's gamma-weighted sums per group alongside its channel sums, each thread combining its own group's
+// parts after the one barrier, and writes the parameter gradients after dx.
 // Unclustered: 1. sums_kernel (the blocks' channel sums -> scratch), 2. coefficients_kernel (one block per
 // (n, g): channel totals over the splits, the parameter gradients, the dx coefficients), 3. dx_kernel.
 // Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a
@@ -194,13 +196,44 @@ __device__ __forceinline__ void store_summed_param_grads(const BackwardArgs& a, 
   if (a.dbias) store_param<T>(a.dbias, a.params_fp32, c, total.x);
 }
 
+// The thread's part of its group's sum_{c in g} gamma_c * (A[n,c], B[n,c]): sum_j gamma_j * (du, du * xhat) over its
+// lanes in the group (lo) and, straddling, over those in the next group (hi; zero where the vector lies in one
+// group). Selects, not branches, keep a NaN in one group's lanes out of the other's sums.
+struct WeightedSums {
+  float2 lo, hi;
+};
+
+template <int V, bool Straddle>
+__device__ __forceinline__ WeightedSums weighted_sums(const LaneSums<V>& sums, const LaneConstants<V, Straddle>& k) {
+  WeightedSums w{make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float2 t = make_float2(k.gamma[j] * sums.acc[j].x, k.gamma[j] * sums.acc[j].y);
+    const bool hi = Straddle && j >= k.lanes_lo;
+    w.lo = add2(w.lo, hi ? make_float2(0.f, 0.f) : t);
+    if constexpr (Straddle) w.hi = add2(w.hi, hi ? t : make_float2(0.f, 0.f));
+  }
+  return w;
+}
+
+// The dx coefficients of the thread's group and, straddling, of the next one, from coefficient(gl), tile group gl's.
+template <bool Straddle, typename Coefficient>
+__device__ __forceinline__ Coefficients own_coefficients(const Geometry& g, const BlockCoord& b,
+                                                         Coefficient&& coefficient) {
+  const float2 lo = coefficient(b.group_local);
+  return Coefficients{lo, Straddle && b.lanes_lo < g.vec ? coefficient(b.group_local + 1) : lo};
+}
+
 template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_kernel(const BackwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
-  __shared__ float2 items[kMaxThreads * V];        // the threads' lane sums; then the tile's channel totals
-  __shared__ float2 block_sums[kMaxTileChannels];  // per tile channel: read by the cluster's blocks
+  __shared__ float2 items[kMaxThreads * V];  // the threads' lane sums; in a cluster then the tile's channel totals
+  __shared__ float2 group_items[kMaxThreads];  // without a cluster: the threads' weighted sums (block_group_partials)
+  __shared__ float2 group_items_hi[Straddle ? kMaxThreads : 1];
+  __shared__ float2 group_parts[kMaxThreads];
+  __shared__ float2 block_sums[kMaxTileChannels];  // in a cluster, per tile channel: read by the cluster's blocks
+  __shared__ float2 group_coef[kMaxThreads];       // in a cluster, per tile group: the dx coefficients
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
-  __shared__ float2 group_coef[kMaxThreads];       // (mean_g(gamma du), mean_g(gamma du xhat)) per tile group
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -226,53 +259,80 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   } else {
     streamed_sums<T, V, A, kRows, Straddle>(x, dy, g, b, rows, k, sums);
   }
-  block_channel_sums<V>(sums.acc, items, block_sums, g);
-  cluster_sync(g.cluster());
-  const int channels = g.tile_vecs * g.vec;
+  store_lane_sums<V>(sums.acc, items);
   const int64_t tile_c0 = b.tile * g.groups_per_tile * g.D;
-  // This image's channel totals: the sums of its splits (cluster ranks image_rank0, ...; see Geometry::images).
-  const int image_rank0 = g.images > 1 ? (int)(b.n * g.splits) : 0;
-  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
-    items[ch] = cluster_reduce(&block_sums[ch], g.cluster(), image_rank0, (int)g.splits, add2);
-  }
-  if (g.images > 1 && b.n == 0 && b.rank == 0) {  // the cluster's first block: weight and bias over the images
-    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
-      store_summed_param_grads<T>(a, tile_c0 + ch, block_sums + ch, g);
-    }
-  }
-  cluster_arrive(g.cluster());
-  __syncthreads();
-
-  if (b.rank == 0) {  // the parameter gradients of image n: one block of the image's splits writes them
-    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) store_param_grads<T>(a, b.n, tile_c0 + ch, items[ch]);
-  }
-  if (a.dx) {  // uniform across the grid
-    const float inv_m = 1.f / ((float)g.S * (float)g.D);
-    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int gl = warp; gl < g.groups_per_tile; gl += warps) {
-      float2 s = make_float2(0.f, 0.f);
-      for (int c = lane; c < g.D; c += 32) {
-        const int ch = gl * (int)g.D + c;
-        const float gamma = tile_affine[ch].x;
-        s = add2(s, make_float2(gamma * items[ch].x, gamma * items[ch].y));
-      }
-      s = lanes_reduce(s, 32, add2);
-      if (lane == 0) group_coef[gl] = make_float2(s.x * inv_m, s.y * inv_m);
-    }
+  const int channels = g.tile_vecs * g.vec;
+  const float inv_m = 1.f / ((float)g.S * (float)g.D);
+  Coefficients coef{};
+  if (g.cluster() > 1) {
+    // The blocks' channel sums go to block_sums; every block combines its image's (cluster ranks image_rank0, ...,
+    // + splits - 1; see Geometry::images) per channel, then per group the dx coefficients. (Reducing the groups'
+    // weighted sums instead, as below, made the clustered shapes 1-8% slower on the H200: NOTES session 17.)
     __syncthreads();
-    if (b.active) {
-      const bool hi = Straddle && b.lanes_lo < V;
-      const Coefficients coef{group_coef[b.group_local], group_coef[b.group_local + (hi ? 1 : 0)]};
-      T* dx = static_cast<T*>(a.dx) + offset;
-      if (g.resident) {
-#pragma unroll
-        for (int u = 0; u < kRows; ++u) {
-          if (u < rows) store_dx<T, V, A, Straddle>(xs[u], dys[u], k, coef, dx + thread_row(g, b, u) * g.C);
-        }
-      } else {
-        dx_streamed<T, V, A, Straddle>(x, dy, dx, g, b, rows, k, coef);
+    channel_totals<V>(items, g, [&](int ch, float2 s) { block_sums[ch] = s; });
+    cluster_sync(g.cluster());
+    const int image_rank0 = g.images > 1 ? (int)(b.n * g.splits) : 0;
+    for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+      items[ch] = cluster_reduce(&block_sums[ch], g.cluster(), image_rank0, (int)g.splits, add2);
+    }
+    if (g.images > 1 && b.n == 0 && b.rank == 0) {  // the cluster's first block: weight and bias over the images
+      for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
+        store_summed_param_grads<T>(a, tile_c0 + ch, block_sums + ch, g);
       }
     }
+    cluster_arrive(g.cluster());
+    __syncthreads();
+    if (b.rank == 0) {  // the parameter gradients of image n: one block of the image's splits writes them
+      for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) store_param_grads<T>(a, b.n, tile_c0 + ch, items[ch]);
+    }
+    if (a.dx != nullptr) {  // uniform across the grid
+      const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      for (int gl = warp; gl < g.groups_per_tile; gl += warps) {
+        float2 s = make_float2(0.f, 0.f);
+        for (int c = lane; c < g.D; c += 32) {
+          const int ch = gl * (int)g.D + c;
+          const float gamma = tile_affine[ch].x;
+          s = add2(s, make_float2(gamma * items[ch].x, gamma * items[ch].y));
+        }
+        s = lanes_reduce(s, 32, add2);
+        if (lane == 0) group_coef[gl] = make_float2(s.x * inv_m, s.y * inv_m);
+      }
+      __syncthreads();
+      if (b.active) coef = own_coefficients<Straddle>(g, b, [&](int gl) { return group_coef[gl]; });
+    }
+  } else {
+    // The block holds its image's rows of the tile. Each thread's weighted sums reduce per group alongside the
+    // channel sums (one barrier with one group per tile), and each thread combines its own group's parts (the same
+    // bits in every thread of the group): no barrier after. A thread without rows adds nothing (not 0 * gamma: an
+    // infinite weight would make it NaN).
+    const WeightedSums w = rows > 0 ? weighted_sums<V, Straddle>(sums, k) : WeightedSums{};
+    if constexpr (Straddle) {
+      block_group_partials_straddle(w.lo, w.hi, group_items, group_items_hi, group_parts, g, add2);
+    } else {
+      block_group_partials(w.lo, group_items, group_parts, g, add2);
+    }
+    if (b.active) {
+      coef = own_coefficients<Straddle>(g, b, [&](int gl) {
+        const float2 s = group_total(group_parts, gl, g, add2);
+        return make_float2(s.x * inv_m, s.y * inv_m);
+      });
+    }
+  }
+
+  if (a.dx != nullptr && b.active) {
+    T* dx = static_cast<T*>(a.dx) + offset;
+    if (g.resident) {
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        if (u < rows) store_dx<T, V, A, Straddle>(xs[u], dys[u], k, coef, dx + thread_row(g, b, u) * g.C);
+      }
+    } else {
+      dx_streamed<T, V, A, Straddle>(x, dy, dx, g, b, rows, k, coef);
+    }
+  }
+  // Without a cluster the channel totals give the parameter gradients after dx, off its path.
+  if (g.cluster() == 1) {
+    channel_totals<V>(items, g, [&](int ch, float2 s) { store_param_grads<T>(a, b.n, tile_c0 + ch, s); });
   }
   cluster_wait(g.cluster());
 }
@@ -282,18 +342,17 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) sums_kernel(const BackwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
   __shared__ float2 items[kMaxThreads * V];
-  __shared__ float2 block_sums[kMaxTileChannels];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const int64_t offset = b.n * g.S * g.C + b.c0;
   LaneSums<V> sums;
   streamed_sums<T, V, A, kRows, Straddle>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
                                           g, b, thread_rows(g, b), lane_constants<T, V, Straddle>(a, b), sums);
-  block_channel_sums<V>(sums.acc, items, block_sums, g);
+  store_lane_sums<V>(sums.acc, items);
   __syncthreads();
   float2* out = reinterpret_cast<float2*>(a.channel_partials) + (b.n * g.splits + b.rank) * g.C +
                 b.tile * g.groups_per_tile * g.D;
-  for (int ch = threadIdx.x; ch < g.tile_vecs * g.vec; ch += blockDim.x) out[ch] = block_sums[ch];
+  channel_totals<V>(items, g, [&](int ch, float2 s) { out[ch] = s; });
 }
 
 // Unclustered, 2: one block per (n, g): each channel's totals over the splits (in split order), the parameter

@@ -4,7 +4,9 @@
 // Clustered (one kernel; grid N * tiles * splits, see Geometry): each block reduces its rows of its tile's groups
 // to per-group Welford statistics; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
 // through distributed shared memory in rank order; every block then normalises its rows, from registers when
-// resident, else read again, last first (from L2: the block read them moments before).
+// resident, else read again, last first (from L2: the block read them moments before). A block without a cluster
+// (splits = 1) needs no block-wide total: after the barrier that publishes the warps' parts, each thread combines
+// its own group's (one barrier in all with one group per tile: the small kernels' time is in their barriers).
 // Unclustered (large images, wide tiles, more splits than a cluster holds):
 //   1. stats_kernel     the blocks' per-group statistics -> scratch
 //   2. finalize_kernel  one warp per (n, g) combines the splits' -> mean, rstd
@@ -278,27 +280,49 @@ __device__ __forceinline__ ThreadStats streamed_thread_stats(const T* x, const G
   return t;
 }
 
-// The block's per-group totals of the threads' statistics -> out (block_group_stats; items_hi: the straddling
-// reduction's second array).
+// The per-warp parts of the block's group totals of the threads' statistics -> partial (block_group_partials;
+// items_hi: the straddling reduction's second array). Ends with a block barrier.
 template <bool Straddle>
-__device__ __forceinline__ void block_stats_of(const ThreadStats& t, Welford* items, Welford* items_hi,
-                                               Welford* partial, Welford* out, const Geometry& g) {
+__device__ __forceinline__ void block_partials_of(const ThreadStats& t, Welford* items, Welford* items_hi,
+                                                  Welford* partial, const Geometry& g) {
   if constexpr (Straddle) {
-    block_group_stats_straddle(t.lo, t.hi, items, items_hi, partial, out, g);
+    block_group_partials_straddle(t.lo, t.hi, items, items_hi, partial, g, welford_combine);
   } else {
-    block_group_stats(t.lo, items, partial, out, g);
+    block_group_partials(t.lo, items, partial, g, welford_combine);
   }
 }
 
-// The thread's LaneAffine from its group's statistics stats[0] (and, straddling, the next group's stats[1]).
+// Whether the thread's vector holds the first channel of its group (lo) or of the next group (hi), in the block's
+// first row: that thread writes the group's statistics.
+struct GroupWriter {
+  bool lo, hi;
+};
+
+template <bool Straddle>
+__device__ __forceinline__ GroupWriter group_writer(const Geometry& g, const BlockCoord& b) {
+  if (b.rowlane != 0) return GroupWriter{false, false};
+  if constexpr (Straddle) return GroupWriter{b.lanes_lo == g.D, b.lanes_lo < g.vec};
+  return GroupWriter{b.col == b.group_local * g.vecs_per_group, false};
+}
+
+// The thread's LaneAffine from its group's (reference, mean offset, rstd) `lo` (and, straddling, the next group's
+// `hi`).
 template <int V, bool Straddle>
-__device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(const float4* stats, const float2* affine,
+__device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(float4 lo, float4 hi, const float2* affine,
                                                                const BlockCoord& b) {
   if constexpr (Straddle) {
-    return LaneAffine<V, true>(stats[0], affine, b.lanes_lo < V ? stats[1] : stats[0], b.lanes_lo);
+    return LaneAffine<V, true>(lo, affine, b.lanes_lo < V ? hi : lo, b.lanes_lo);
   } else {
-    return LaneAffine<V>(stats[0], affine);
+    return LaneAffine<V>(lo, affine);
   }
+}
+
+// The totals of the thread's group (lo) and of the next one where its vector straddles (hi, else lo), from
+// total(gl), tile group gl's.
+template <bool Straddle, typename Total>
+__device__ __forceinline__ ThreadStats own_group_totals(const Geometry& g, const BlockCoord& b, Total&& total) {
+  const Welford lo = total(b.group_local);
+  return ThreadStats{lo, Straddle && b.lanes_lo < g.vec ? total(b.group_local + 1) : lo};
 }
 
 template <typename T, int V, Act A, bool Straddle, bool Offset>
@@ -307,8 +331,8 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   __shared__ Welford items[kMaxThreads];
   __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
-  __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
-  __shared__ float4 group_stats[kMaxThreads];   // per tile group: (reference, mean offset, rstd)
+  __shared__ Welford block_stats[kMaxThreads];    // per tile group: read by the cluster's blocks
+  __shared__ Welford cluster_stats[kMaxThreads];  // per tile group: the cluster's totals
   __shared__ float2 tile_affine[kMaxTileChannels];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
@@ -324,20 +348,38 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
   const ThreadStats t = g.resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
                                    : streamed_thread_stats<T, V, Straddle, kRows>(x, g, b, rows, offset);
-  block_stats_of<Straddle>(t, items, items_hi, partial, block_stats, g);
-  // The cluster's blocks read each other's block_stats; without a cluster each thread reads back its own.
-  if (g.cluster() > 1) cluster_sync(g.cluster());
-  if (threadIdx.x < g.groups_per_tile) {
-    const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + threadIdx.x;
-    const Welford t = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
-    group_stats[threadIdx.x] =
-        group_stats_of(t, a.eps, b.rank == 0 ? a.mean + group : nullptr, a.rstd + group);
+  block_partials_of<Straddle>(t, items, items_hi, partial, g);
+  ThreadStats totals{};
+  if (g.cluster() > 1) {
+    // The blocks' group totals go to block_stats; thread gl combines the cluster's of group gl. (Every thread
+    // reading its own group's through distributed shared memory, without the barrier after it, made the
+    // clustered shapes up to 75% slower on the H200: benchmarks/NOTES.md, session 17.)
+    if (threadIdx.x < g.groups_per_tile) {
+      block_stats[threadIdx.x] = group_total(partial, threadIdx.x, g, welford_combine);
+    }
+    cluster_sync(g.cluster());
+    if (threadIdx.x < g.groups_per_tile) {
+      cluster_stats[threadIdx.x] = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
+    }
+    cluster_arrive(g.cluster());
+    __syncthreads();
+    if (b.active) totals = own_group_totals<Straddle>(g, b, [&](int gl) { return cluster_stats[gl]; });
+  } else if (b.active) {
+    // Each thread combines its own group's parts (the same bits in every thread of the group): no barrier after.
+    totals = own_group_totals<Straddle>(g, b, [&](int gl) { return group_total(partial, gl, g, welford_combine); });
   }
-  cluster_arrive(g.cluster());
-  __syncthreads();
 
   if (b.active) {
-    const auto l = lane_affine<V, Straddle>(&group_stats[b.group_local], &tile_affine[b.col * V], b);
+    // (reference, mean offset, rstd) of a group; the first block of the group's rows writes its mean and rstd.
+    const GroupWriter writes = group_writer<Straddle>(g, b);
+    auto stats = [&](const Welford& total, bool writer, int64_t group) {
+      const bool out = writer && b.rank == 0;
+      return group_stats_of(total, a.eps, out ? a.mean + group : nullptr, a.rstd + group);
+    };
+    const int64_t group = b.n * g.G + b.group;
+    const float4 lo = stats(totals.lo, writes.lo, group);
+    const float4 hi = Straddle ? stats(totals.hi, writes.hi, group + 1) : lo;
+    const auto l = lane_affine<V, Straddle>(lo, hi, &tile_affine[b.col * V], b);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
     if (g.resident) {
 #pragma unroll
@@ -361,17 +403,16 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel
   __shared__ Welford items[kMaxThreads];
   __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
-  __shared__ Welford block_stats[kMaxThreads];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const RowOffset<T, V, Offset> offset(a, b);
-  block_stats_of<Straddle>(streamed_thread_stats<T, V, Straddle, kStatsBatch>(x, g, b, thread_rows(g, b), offset),
-                           items, items_hi, partial, block_stats, g);
-  __syncthreads();
+  block_partials_of<Straddle>(streamed_thread_stats<T, V, Straddle, kStatsBatch>(x, g, b, thread_rows(g, b), offset),
+                              items, items_hi, partial, g);
   if (threadIdx.x < g.groups_per_tile) {
     const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;
-    reinterpret_cast<Welford*>(a.partials)[(b.n * g.splits + b.rank) * g.G + group] = block_stats[threadIdx.x];
+    reinterpret_cast<Welford*>(a.partials)[(b.n * g.splits + b.rank) * g.G + group] =
+        group_total(partial, threadIdx.x, g, welford_combine);
   }
 }
 
@@ -401,8 +442,8 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
   const int64_t first = b.n * g.S * g.C + b.c0;  // the thread's first element
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
-  const auto l = lane_affine<V, Straddle>(reinterpret_cast<const float4*>(a.group_stats) + b.n * g.G + b.group,
-                                          affine, b);
+  const float4* stats = reinterpret_cast<const float4*>(a.group_stats) + b.n * g.G + b.group;
+  const auto l = lane_affine<V, Straddle>(stats[0], Straddle && b.lanes_lo < V ? stats[1] : stats[0], affine, b);
   normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + first, static_cast<T*>(a.y) + first, g, b,
                               thread_rows(g, b), l, RowOffset<T, V, Offset>(a, b));
 }

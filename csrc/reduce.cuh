@@ -8,89 +8,106 @@
 
 namespace gn_patch {
 
-// Per-group totals of a block. Thread t contributes `w` (its group's statistics over its rows); afterwards, for
-// gl < groups_per_tile, out[gl] holds the block's total of tile group gl (written by thread gl: valid for the
-// other threads after a barrier).
-// items and partial: kMaxThreads entries of shared memory. Warps share out the groups; a group's
-// vecs_per_group * block_rows items are read by all the warps assigned to it and combined by butterflies.
-__device__ __forceinline__ void block_group_stats(const Welford& w, Welford* items, Welford* partial, Welford* out,
-                                                  const Geometry& g) {
-  items[threadIdx.x] = w;
-  __syncthreads();
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int groups = g.groups_per_tile;
-  const int warps_per_group = max(1, warps / groups);
-  const int concurrent = warps / warps_per_group;
-  const int per_group = g.vecs_per_group * g.block_rows;
-  for (int g0 = 0; g0 < groups; g0 += concurrent) {  // uniform across the block
-    const int gl = g0 + warp / warps_per_group, part = warp % warps_per_group;
-    const bool on = warp < concurrent * warps_per_group && gl < groups;
-    Welford acc{};
-    if (on) {
-      for (int i = part * 32 + lane; i < per_group; i += warps_per_group * 32) {
-        const int rowlane = (int)g.div_vecs_per_group.div(i);
-        const int k = i - rowlane * g.vecs_per_group;
-        acc = welford_combine(acc, items[rowlane * g.tile_vecs + gl * g.vecs_per_group + k]);
-      }
-    }
-    acc = lanes_reduce(acc, 32, welford_combine);
-    if (on && lane == 0) partial[gl * warps_per_group + part] = acc;
-  }
-  __syncthreads();
-  if (threadIdx.x < groups) {
-    Welford acc{};
-    for (int p = 0; p < warps_per_group; ++p) acc = welford_combine(acc, partial[threadIdx.x * warps_per_group + p]);
-    out[threadIdx.x] = acc;
-  }
+// Warps per tile group in the block reductions below: the block's warps are shared out over the tile's groups.
+__device__ __forceinline__ int warps_per_group(const Geometry& g) {
+  return max(1, (int)(blockDim.x / 32) / g.groups_per_tile);
 }
 
-// block_group_stats for straddling vectors (Geometry::straddle): thread t contributes lo to the group of its
+// Per-warp parts of a block's group totals. Thread t contributes `w` (its group's statistics or sums over its
+// rows); afterwards (the function ends with a block barrier, which also publishes the caller's earlier
+// shared-memory writes) partial[gl * warps_per_group(g) + p], p < warps_per_group, hold the parts of tile group
+// gl's total, which group_total combines.
+// items and partial: kMaxThreads entries of shared memory. With one group per tile every thread is in it, and each
+// warp combines its own lanes (one barrier); otherwise the warps assigned to a group read its
+// vecs_per_group * block_rows items and combine them by butterflies (two).
+template <typename Acc, typename Combine>
+__device__ __forceinline__ void block_group_partials(const Acc& w, Acc* items, Acc* partial, const Geometry& g,
+                                                     Combine combine) {
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (g.groups_per_tile == 1) {  // no barrier before the butterflies: partial[warp] is warp `warp`'s total
+    const Acc acc = lanes_reduce(w, 32, combine);
+    if (lane == 0) partial[warp] = acc;
+    __syncthreads();
+    return;
+  }
+  items[threadIdx.x] = w;
+  __syncthreads();
+  const int groups = g.groups_per_tile;
+  const int per_warp = warps_per_group(g);
+  const int concurrent = warps / per_warp;
+  const int per_group = g.vecs_per_group * g.block_rows;
+  for (int g0 = 0; g0 < groups; g0 += concurrent) {  // uniform across the block
+    const int gl = g0 + warp / per_warp, part = warp % per_warp;
+    const bool on = warp < concurrent * per_warp && gl < groups;
+    Acc acc{};
+    if (on) {
+      for (int i = part * 32 + lane; i < per_group; i += per_warp * 32) {
+        const int rowlane = (int)g.div_vecs_per_group.div(i);
+        const int k = i - rowlane * g.vecs_per_group;
+        acc = combine(acc, items[rowlane * g.tile_vecs + gl * g.vecs_per_group + k]);
+      }
+    }
+    acc = lanes_reduce(acc, 32, combine);
+    if (on && lane == 0) partial[gl * per_warp + part] = acc;
+  }
+  __syncthreads();
+}
+
+// block_group_partials for straddling vectors (Geometry::straddle): thread t contributes lo to the group of its
 // vector's first channel and hi to the next group (empty when its vector lies in one group). A tile group's
 // contributors in each row are the vectors from the one holding its first channel to the one holding its last:
 // the first of them through hi when it starts in the previous group.
 // items, items_hi and partial: kMaxThreads entries of shared memory.
-__device__ __forceinline__ void block_group_stats_straddle(const Welford& lo, const Welford& hi, Welford* items,
-                                                           Welford* items_hi, Welford* partial, Welford* out,
-                                                           const Geometry& g) {
+template <typename Acc, typename Combine>
+__device__ __forceinline__ void block_group_partials_straddle(const Acc& lo, const Acc& hi, Acc* items, Acc* items_hi,
+                                                              Acc* partial, const Geometry& g, Combine combine) {
   items[threadIdx.x] = lo;
   items_hi[threadIdx.x] = hi;
   __syncthreads();
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int groups = g.groups_per_tile, D = (int)g.D;
-  const int warps_per_group = max(1, warps / groups);
-  const int concurrent = warps / warps_per_group;
+  const int per_warp = warps_per_group(g);
+  const int concurrent = warps / per_warp;
   for (int g0 = 0; g0 < groups; g0 += concurrent) {  // uniform across the block
-    const int gl = g0 + warp / warps_per_group, part = warp % warps_per_group;
-    const bool on = warp < concurrent * warps_per_group && gl < groups;
-    Welford acc{};
+    const int gl = g0 + warp / per_warp, part = warp % per_warp;
+    const bool on = warp < concurrent * per_warp && gl < groups;
+    Acc acc{};
     if (on) {
       const int first = gl * D / g.vec, cols = ((gl + 1) * D - 1) / g.vec - first + 1;
-      for (int i = part * 32 + lane; i < cols * g.block_rows; i += warps_per_group * 32) {
+      for (int i = part * 32 + lane; i < cols * g.block_rows; i += per_warp * 32) {
         const int rowlane = i / cols, col = first + i - rowlane * cols;
-        const Welford* from = col * g.vec < gl * D ? items_hi : items;
-        acc = welford_combine(acc, from[rowlane * g.tile_vecs + col]);
+        const Acc* from = col * g.vec < gl * D ? items_hi : items;
+        acc = combine(acc, from[rowlane * g.tile_vecs + col]);
       }
     }
-    acc = lanes_reduce(acc, 32, welford_combine);
-    if (on && lane == 0) partial[gl * warps_per_group + part] = acc;
+    acc = lanes_reduce(acc, 32, combine);
+    if (on && lane == 0) partial[gl * per_warp + part] = acc;
   }
   __syncthreads();
-  if (threadIdx.x < groups) {
-    Welford acc{};
-    for (int p = 0; p < warps_per_group; ++p) acc = welford_combine(acc, partial[threadIdx.x * warps_per_group + p]);
-    out[threadIdx.x] = acc;
-  }
 }
 
-// Per-channel totals of a block. Thread t contributes acc[j] for channel (col * V + j) of the tile; afterwards
-// out[ch] holds the block's total of tile channel ch < tile_vecs * V (valid after a barrier).
-// items: kMaxThreads * V entries of shared memory. `per` lanes (a power of two) sum the rowlanes of one channel.
+// Tile group gl's total in the block, from block_group_partials' `partial`, in a fixed order: every thread that
+// asks gets the same bits, so each thread can take its own group's total without a further barrier.
+template <typename Acc, typename Combine>
+__device__ __forceinline__ Acc group_total(const Acc* partial, int gl, const Geometry& g, Combine combine) {
+  const int per_warp = warps_per_group(g);
+  Acc acc = partial[gl * per_warp];
+  for (int p = 1; p < per_warp; ++p) acc = combine(acc, partial[gl * per_warp + p]);
+  return acc;
+}
+
+// Per-channel totals of a block, in two steps around a block barrier (the caller's: block_group_partials ends with
+// one). 1. Thread t stores acc[j], its sum for channel (col * V + j) of the tile, to items (kMaxThreads * V entries
+// of shared memory). 2. channel_totals calls emit(ch, total) once for each tile channel ch < tile_vecs * V, from
+// one thread: `per` lanes (a power of two) sum the rowlanes of one channel.
 template <int V>
-__device__ __forceinline__ void block_channel_sums(const float2 (&acc)[V], float2* items, float2* out,
-                                                   const Geometry& g) {
+__device__ __forceinline__ void store_lane_sums(const float2 (&acc)[V], float2* items) {
 #pragma unroll
   for (int j = 0; j < V; ++j) items[threadIdx.x * V + j] = acc[j];
-  __syncthreads();
+}
+
+template <int V, typename Emit>
+__device__ __forceinline__ void channel_totals(const float2* items, const Geometry& g, Emit&& emit) {
   const int channels = g.tile_vecs * V;
   int per = 1;
   while (per < 32 && per * 2 * channels <= (int)blockDim.x && per < g.block_rows) per *= 2;
@@ -105,7 +122,7 @@ __device__ __forceinline__ void block_channel_sums(const float2 (&acc)[V], float
       }
     }
     s = lanes_reduce(s, per, add2);
-    if (ch < channels && p == 0) out[ch] = s;
+    if (ch < channels && p == 0) emit(ch, s);
   }
 }
 

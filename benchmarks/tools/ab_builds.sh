@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The kernels of another commit against the working tree's, built side by side and timed in one device call
+# (benchmarks/tools/harness_times.py, CUDA-graph replay; results/h200/ab_barriers.json came from this).
+#   bash benchmarks/tools/ab_builds.sh prepare REV    here: REV's csrc/, gn_patch/ and harness into .scratch/base
+#   bash benchmarks/tools/ab_builds.sh run            on the GPU machine (carry .scratch): both builds, then one
+#                                                     harness run each -> $OUT/ab.json; set OUT, GN_PATCH_COMMIT and
+#                                                     BASE_COMMIT (the machine's copy of the tree has no .git)
+set -euo pipefail
+case ${1:-} in
+  prepare)
+    rm -rf .scratch/base && mkdir -p .scratch/base
+    git archive "$2" csrc gn_patch benchmarks/tools/harness_times.py | tar -x -C .scratch/base ;;
+  run)
+    export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} HARNESS_TORCH=0
+    ROOT=$PWD BASE=$PWD/.scratch/base
+    (cd "$BASE" && PYTHONPATH=$BASE GN_PATCH_BUILD_DIR=$BASE/.build python3 -m gn_patch.build) > /tmp/build_base.log 2>&1 &
+    PYTHONPATH=$ROOT GN_PATCH_BUILD_DIR=$ROOT/.build python3 -m gn_patch.build > /tmp/build_new.log 2>&1 &
+    wait
+    tail -n 1 /tmp/build_base.log /tmp/build_new.log
+    # The base tree's harness for both builds: the same shapes and timing whatever the working tree's says.
+    (cd "$BASE" && PYTHONPATH=$BASE GN_PATCH_BUILD_DIR=$BASE/.build \
+      python3 benchmarks/tools/harness_times.py /tmp/base.json float16 bfloat16 > /tmp/base.log)
+    PYTHONPATH=$ROOT GN_PATCH_BUILD_DIR=$ROOT/.build \
+      python3 "$BASE/benchmarks/tools/harness_times.py" /tmp/new.json float16 bfloat16 > /tmp/new.log
+    python3 benchmarks/tools/ab_merge.py /tmp/base.json /tmp/new.json "$OUT/ab.json" ;;
+  *) echo "usage: $0 prepare REV | run" >&2; exit 2 ;;
+esac

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The kernels of another commit against the working tree's, built side by side and timed in one device call
-# (benchmarks/tools/harness_times.py, CUDA-graph replay; results/h200/ab_barriers.json came from this).
+# (benchmarks/tools/harness_times.py, CUDA-graph replay): the steps of the call that wrote results/h200/ab_barriers.json.
 #   bash benchmarks/tools/ab_builds.sh prepare REV    here: REV's csrc/, gn_patch/ and harness into .scratch/base
 #   bash benchmarks/tools/ab_builds.sh run            on the GPU machine (carry .scratch): both builds, then one
 #                                                     harness run each -> $OUT/ab.json; set OUT, GN_PATCH_COMMIT and

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The kernels of another commit against the working tree's, built side by side and timed in one device call
-# (benchmarks/tools/harness_times.py, CUDA-graph replay): the steps of the call that wrote results/h200/ab_barriers.json.
+# (benchmarks/tools/harness_times.py, CUDA-graph replay): the steps of the call that wrote
+# results/h200/ab_barriers.json.
 #   bash benchmarks/tools/ab_builds.sh prepare REV    here: REV's csrc/, gn_patch/ and harness into .scratch/base
 #   bash benchmarks/tools/ab_builds.sh run            on the GPU machine (carry .scratch): both builds, then one
 #                                                     harness run each -> $OUT/ab.json; set OUT, GN_PATCH_COMMIT and
@@ -13,7 +14,8 @@ case ${1:-} in
   run)
     export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} HARNESS_TORCH=0
     ROOT=$PWD BASE=$PWD/.scratch/base
-    (cd "$BASE" && PYTHONPATH=$BASE GN_PATCH_BUILD_DIR=$BASE/.build python3 -m gn_patch.build) > /tmp/build_base.log 2>&1 &
+    (cd "$BASE" && PYTHONPATH=$BASE GN_PATCH_BUILD_DIR=$BASE/.build python3 -m gn_patch.build) \
+      > /tmp/build_base.log 2>&1 &
     PYTHONPATH=$ROOT GN_PATCH_BUILD_DIR=$ROOT/.build python3 -m gn_patch.build > /tmp/build_new.log 2>&1 &
     wait
     tail -n 1 /tmp/build_base.log /tmp/build_new.log

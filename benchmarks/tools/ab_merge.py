@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch
+from harness_times import print_table, write_json
 
 
 def merge(base_rows: list[dict], new_rows: list[dict]) -> list[dict]:
@@ -29,13 +30,9 @@ def main(base_path: str, new_path: str, out_path: str) -> None:
     out = {"tool": "benchmarks/tools/harness_times.py (TIMING=graph, median of 5 replays of 20 calls, HARNESS_TORCH=0)",
            "commit": os.environ["GN_PATCH_COMMIT"], "base_commit": os.environ["BASE_COMMIT"],
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    with open(out_path, "w") as f:
-        json.dump(out, f, indent=1)
-    print("| dtype | shape | copy | fwd base | fwd | fwd+bwd base | fwd+bwd |")
-    for r in rows:
-        print(f"| {r['dtype']} | {tuple(r['shape'])} | {r['copy_us']} | {r['base_fwd_us']} | {r['fwd_us']} | "
-              f"{r['base_fwd_bwd_us']} | {r['fwd_bwd_us']} |")
-
+    write_json(out_path, out)
+    print_table(rows, {"dtype": "dtype", "shape": "shape", "copy": "copy_us", "fwd base": "base_fwd_us",
+                       "fwd": "fwd_us", "fwd+bwd base": "base_fwd_bwd_us", "fwd+bwd": "fwd_bwd_us"})
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])

@@ -76,12 +76,25 @@ def main(out_path: str, dtypes: list[str]) -> None:
             rows.append(time_shape(shape, dtype))
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rows[-1].items()}), flush=True)
             torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\n| dtype | shape | MB | copy | gn_patch fwd | fwd+bwd | torch fwd | fwd+bwd |")
+    write_json(out_path, rows)
+    print()
+    print_table(rows, {"dtype": "dtype", "shape": "shape", "MB": "mb", "copy": "copy_us",
+                       "gn_patch fwd": "gn_patch_fwd_us", "fwd+bwd": "gn_patch_fwd_bwd_us",
+                       "torch fwd": "torch_fwd_us", "torch fwd+bwd": "torch_fwd_bwd_us"})
+
+
+def write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def print_table(rows: list[dict], columns: dict[str, str]) -> None:
+    """A markdown table of ``rows``: ``columns`` maps each header to its key (floats to 0.1, missing keys empty)."""
+    def cell(value) -> str:
+        return f"{value:.1f}" if isinstance(value, float) else str(tuple(value) if isinstance(value, list) else value)
+    print("| " + " | ".join(columns) + " |")
     for r in rows:
-        print(f"| {r['dtype']} | {tuple(r['shape'])} | {r['mb']} | {r['copy_us']:.1f} | {r['gn_patch_fwd_us']:.1f} | "
-              f"{r['gn_patch_fwd_bwd_us']:.1f} | {r.get('torch_fwd_us', 0):.1f} | {r.get('torch_fwd_bwd_us', 0):.1f} |")
+        print("| " + " | ".join(cell(r[k]) if k in r else "" for k in columns.values()) + " |")
 
 
 if __name__ == "__main__":

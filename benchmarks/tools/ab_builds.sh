@@ -24,6 +24,6 @@ case ${1:-} in
       python3 benchmarks/tools/harness_times.py /tmp/base.json float16 bfloat16 > /tmp/base.log)
     PYTHONPATH=$ROOT GN_PATCH_BUILD_DIR=$ROOT/.build \
       python3 "$BASE/benchmarks/tools/harness_times.py" /tmp/new.json float16 bfloat16 > /tmp/new.log
-    python3 benchmarks/tools/ab_merge.py /tmp/base.json /tmp/new.json "$OUT/ab.json" ;;
+    PYTHONPATH=$ROOT python3 benchmarks/tools/ab_merge.py /tmp/base.json /tmp/new.json "$OUT/ab.json" ;;
   *) echo "usage: $0 prepare REV | run" >&2; exit 2 ;;
 esac

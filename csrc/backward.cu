@@ -35,9 +35,7 @@ __device__ __forceinline__ void store_param(void* p, bool fp32, int64_t i, float
 }
 
 // (mean, rstd) of the thread's group (.lo) and, straddling, of the next group (.hi: the lanes from lanes_lo on).
-struct Moments {
-  float2 lo, hi;
-};
+using Moments = GroupPair<float2>;
 
 // Per-lane constants: u = xhat * gamma + delta, xhat = (x - mean) * rstd with the lane's group's moments.
 template <int V, bool Straddle = false>
@@ -135,9 +133,7 @@ __device__ __forceinline__ void streamed_sums(const T* x, const T* dy, const Geo
 
 // The dx coefficients (mean_g(gamma du), mean_g(gamma du xhat)) of the thread's group (.lo) and, straddling, of
 // the next group (.hi).
-struct Coefficients {
-  float2 lo, hi;
-};
+using Coefficients = GroupPair<float2>;
 
 template <typename T, int V, Act A, bool Straddle>
 __device__ __forceinline__ void store_dx(const Pack<T, V>& xp, const Pack<T, V>& dp,
@@ -199,9 +195,7 @@ __device__ __forceinline__ void store_summed_param_grads(const BackwardArgs& a, 
 // The thread's part of its group's sum_{c in g} gamma_c * (A[n,c], B[n,c]): sum_j gamma_j * (du, du * xhat) over its
 // lanes in the group (lo) and, straddling, over those in the next group (hi; zero where the vector lies in one
 // group). Selects, not branches, keep a NaN in one group's lanes out of the other's sums.
-struct WeightedSums {
-  float2 lo, hi;
-};
+using WeightedSums = GroupPair<float2>;
 
 template <int V, bool Straddle>
 __device__ __forceinline__ WeightedSums weighted_sums(const LaneSums<V>& sums, const LaneConstants<V, Straddle>& k) {
@@ -214,14 +208,6 @@ __device__ __forceinline__ WeightedSums weighted_sums(const LaneSums<V>& sums, c
     if constexpr (Straddle) w.hi = add2(w.hi, hi ? t : make_float2(0.f, 0.f));
   }
   return w;
-}
-
-// The dx coefficients of the thread's group and, straddling, of the next one, from coefficient(gl), tile group gl's.
-template <bool Straddle, typename Coefficient>
-__device__ __forceinline__ Coefficients own_coefficients(const Geometry& g, const BlockCoord& b,
-                                                         Coefficient&& coefficient) {
-  const float2 lo = coefficient(b.group_local);
-  return Coefficients{lo, Straddle && b.lanes_lo < g.vec ? coefficient(b.group_local + 1) : lo};
 }
 
 template <typename T, int V, Act A, bool Straddle>
@@ -298,7 +284,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
         if (lane == 0) group_coef[gl] = make_float2(s.x * inv_m, s.y * inv_m);
       }
       __syncthreads();
-      if (b.active) coef = own_coefficients<Straddle>(g, b, [&](int gl) { return group_coef[gl]; });
+      if (b.active) coef = own_groups<Straddle>(g, b, [&](int gl) { return group_coef[gl]; });
     }
   } else {
     // The block holds its image's rows of the tile. Each thread's weighted sums reduce per group alongside the
@@ -312,7 +298,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
       block_group_partials(w.lo, group_items, group_parts, g, add2);
     }
     if (b.active) {
-      coef = own_coefficients<Straddle>(g, b, [&](int gl) {
+      coef = own_groups<Straddle>(g, b, [&](int gl) {
         const float2 s = group_total(group_parts, gl, g, add2);
         return make_float2(s.x * inv_m, s.y * inv_m);
       });

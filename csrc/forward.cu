@@ -253,9 +253,7 @@ __device__ __forceinline__ float4 group_stats_of(const Welford& t, float eps, fl
 }
 
 // A thread's statistics: of its group (lo) and, for straddling vectors, of the next group (hi).
-struct ThreadStats {
-  Welford lo, hi;
-};
+using ThreadStats = GroupPair<Welford>;
 
 template <typename T, int V, bool Straddle, int U>
 __device__ __forceinline__ ThreadStats resident_stats(const Pack<T, V> (&packs)[U], int64_t rows, const BlockCoord& b) {
@@ -317,22 +315,14 @@ __device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(float4 lo, float4
   }
 }
 
-// The totals of the thread's group (lo) and of the next one where its vector straddles (hi, else lo), from
-// total(gl), tile group gl's.
-template <bool Straddle, typename Total>
-__device__ __forceinline__ ThreadStats own_group_totals(const Geometry& g, const BlockCoord& b, Total&& total) {
-  const Welford lo = total(b.group_local);
-  return ThreadStats{lo, Straddle && b.lanes_lo < g.vec ? total(b.group_local + 1) : lo};
-}
-
 template <typename T, int V, Act A, bool Straddle, bool Offset>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kernel(const ForwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T), Straddle);
   __shared__ Welford items[kMaxThreads];
   __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
-  __shared__ Welford block_stats[kMaxThreads];    // per tile group: read by the cluster's blocks
-  __shared__ Welford cluster_stats[kMaxThreads];  // per tile group: the cluster's totals
+  __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
+  __shared__ float4 group_stats[kMaxThreads];   // per tile group, in a cluster: (reference, mean offset, rstd)
   __shared__ float2 tile_affine[kMaxTileChannels];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
@@ -349,37 +339,42 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   const ThreadStats t = g.resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
                                    : streamed_thread_stats<T, V, Straddle, kRows>(x, g, b, rows, offset);
   block_partials_of<Straddle>(t, items, items_hi, partial, g);
-  ThreadStats totals{};
+  // (reference, mean offset, rstd) of the thread's group (lo) and, straddling, of the next (hi). The first block of
+  // a group's rows writes its mean and rstd.
+  GroupPair<float4> stats{};
   if (g.cluster() > 1) {
-    // The blocks' group totals go to block_stats; thread gl combines the cluster's of group gl. (Every thread
-    // reading its own group's through distributed shared memory, without the barrier after it, made the
-    // clustered shapes up to 75% slower on the H200: benchmarks/NOTES.md, session 17.)
+    // The blocks' group totals go to block_stats; thread gl combines the cluster's of group gl and finalises them
+    // for the block. (Every thread reading its own group's through distributed shared memory, without the barrier
+    // after it, made the clustered shapes up to 75% slower on the H200, and every thread finalising its group's
+    // statistics itself 2-3% slower where rows stream: benchmarks/NOTES.md, sessions 17 and 18.)
     if (threadIdx.x < g.groups_per_tile) {
       block_stats[threadIdx.x] = group_total(partial, threadIdx.x, g, welford_combine);
     }
     cluster_sync(g.cluster());
     if (threadIdx.x < g.groups_per_tile) {
-      cluster_stats[threadIdx.x] = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
+      const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + threadIdx.x;
+      const Welford total = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
+      group_stats[threadIdx.x] = group_stats_of(total, a.eps, b.rank == 0 ? a.mean + group : nullptr, a.rstd + group);
     }
     cluster_arrive(g.cluster());
     __syncthreads();
-    if (b.active) totals = own_group_totals<Straddle>(g, b, [&](int gl) { return cluster_stats[gl]; });
+    if (b.active) stats = own_groups<Straddle>(g, b, [&](int gl) { return group_stats[gl]; });
   } else if (b.active) {
-    // Each thread combines its own group's parts (the same bits in every thread of the group): no barrier after.
-    totals = own_group_totals<Straddle>(g, b, [&](int gl) { return group_total(partial, gl, g, welford_combine); });
+    // Each thread combines its own group's parts (the same bits in every thread of the group) and finalises them:
+    // no barrier after; the thread holding the group's first channel in the block's first row writes them.
+    const ThreadStats totals =
+        own_groups<Straddle>(g, b, [&](int gl) { return group_total(partial, gl, g, welford_combine); });
+    const GroupWriter writes = group_writer<Straddle>(g, b);
+    const int64_t group = b.n * g.G + b.group;
+    auto finalise = [&](const Welford& total, bool writer, int64_t group) {
+      return group_stats_of(total, a.eps, writer ? a.mean + group : nullptr, a.rstd + group);
+    };
+    stats.lo = finalise(totals.lo, writes.lo, group);
+    stats.hi = Straddle ? finalise(totals.hi, writes.hi, group + 1) : stats.lo;
   }
 
   if (b.active) {
-    // (reference, mean offset, rstd) of a group; the first block of the group's rows writes its mean and rstd.
-    const GroupWriter writes = group_writer<Straddle>(g, b);
-    auto stats = [&](const Welford& total, bool writer, int64_t group) {
-      const bool out = writer && b.rank == 0;
-      return group_stats_of(total, a.eps, out ? a.mean + group : nullptr, a.rstd + group);
-    };
-    const int64_t group = b.n * g.G + b.group;
-    const float4 lo = stats(totals.lo, writes.lo, group);
-    const float4 hi = Straddle ? stats(totals.hi, writes.hi, group + 1) : lo;
-    const auto l = lane_affine<V, Straddle>(lo, hi, &tile_affine[b.col * V], b);
+    const auto l = lane_affine<V, Straddle>(stats.lo, stats.hi, &tile_affine[b.col * V], b);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
     if (g.resident) {
 #pragma unroll

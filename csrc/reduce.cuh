@@ -96,6 +96,21 @@ __device__ __forceinline__ Acc group_total(const Acc* partial, int gl, const Geo
   return acc;
 }
 
+// A value of the thread's group (lo) and, for straddling vectors (Geometry::straddle), of the next group (hi: the
+// lanes from lanes_lo on).
+template <typename V>
+struct GroupPair {
+  V lo, hi;
+};
+
+// f(gl) of the thread's tile group and, where its vector straddles, of the next one (else hi = lo).
+template <bool Straddle, typename F>
+__device__ __forceinline__ auto own_groups(const Geometry& g, const BlockCoord& b, F&& f)
+    -> GroupPair<decltype(f(0))> {
+  const auto lo = f(b.group_local);
+  return {lo, Straddle && b.lanes_lo < g.vec ? f(b.group_local + 1) : lo};
+}
+
 // Per-channel totals of a block, in two steps around a block barrier (the caller's: block_group_partials ends with
 // one). 1. Thread t stores acc[j], its sum for channel (col * V + j) of the tile, to items (kMaxThreads * V entries
 // of shared memory). 2. channel_totals calls emit(ch, total) once for each tile channel ch < tile_vecs * V, from

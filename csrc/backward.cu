@@ -466,6 +466,18 @@ struct BackwardMaxCluster {
   }
 };
 
+template <typename T, int V, Act A>
+struct BackwardClusterOccupancy {
+  static const ClusterOccupancy* fn(bool straddle, int max_cluster) {
+    if constexpr (kStraddles<T, V>) {
+      static OccupancyCache straddle_cache;
+      if (straddle) return query_cluster_occupancy(backward_kernel<T, V, A, true>, max_cluster, straddle_cache);
+    }
+    static OccupancyCache cache;
+    return query_cluster_occupancy(backward_kernel<T, V, A, false>, max_cluster, cache);
+  }
+};
+
 }  // namespace
 
 void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
@@ -475,5 +487,10 @@ void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
 }
 
 int backward_max_cluster(ScalarKind dtype, int vec, Act act) { return dispatch<BackwardMaxCluster>(dtype, vec, act); }
+
+const ClusterOccupancy* backward_cluster_occupancy(ScalarKind dtype, int vec, Act act, bool straddle,
+                                                   int max_cluster) {
+  return dispatch<BackwardClusterOccupancy>(dtype, vec, act, straddle, max_cluster);
+}
 
 }  // namespace gn_patch

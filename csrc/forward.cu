@@ -494,6 +494,19 @@ struct ForwardMaxCluster {
   }
 };
 
+// The clustered kernel's occupancy (the one without input terms: the same register cap and shared memory).
+template <typename T, int V, Act A>
+struct ForwardClusterOccupancy {
+  static const ClusterOccupancy* fn(bool straddle, int max_cluster) {
+    if constexpr (kStraddles<T, V>) {
+      static OccupancyCache straddle_cache;
+      if (straddle) return query_cluster_occupancy(forward_kernel<T, V, A, true, false>, max_cluster, straddle_cache);
+    }
+    static OccupancyCache cache;
+    return query_cluster_occupancy(forward_kernel<T, V, A, false, false>, max_cluster, cache);
+  }
+};
+
 }  // namespace
 
 void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
@@ -505,5 +518,10 @@ void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
 }
 
 int forward_max_cluster(ScalarKind dtype, int vec, Act act) { return dispatch<ForwardMaxCluster>(dtype, vec, act); }
+
+const ClusterOccupancy* forward_cluster_occupancy(ScalarKind dtype, int vec, Act act, bool straddle,
+                                                  int max_cluster) {
+  return dispatch<ForwardClusterOccupancy>(dtype, vec, act, straddle, max_cluster);
+}
 
 }  // namespace gn_patch

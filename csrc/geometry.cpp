@@ -114,6 +114,10 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   const int rows_cap = resident_rows(pass, vec * elem_size, g.straddle);
   const int64_t per_sm = pass == Pass::kForward ? kForwardBlocksPerSm : kBackwardBlocksPerSm;
   auto capacity = [&](const Geometry& s) {  // blocks resident at once
+    const int clusters = s.clustered && s.cluster() > 1 && limits.occupancy != nullptr
+                             ? limits.occupancy->at(s.cluster(), s.threads())
+                             : 0;
+    if (clusters > 0) return (int64_t)clusters * s.cluster();
     return limits.num_sms * std::max<int64_t>(1, per_sm * kMaxThreads / s.threads());
   };
 
@@ -131,8 +135,10 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   }
 
   // Otherwise one kernel per pass: the rows of each (n, tile) over a cluster of `splits` blocks, split until they
-  // are resident in registers, but never into a second wave once every SM has a block. Splitting further only
-  // adds cluster-wide synchronisation: on the H200 a (2, 1280, 16, 16) forward took 8.2 us unsplit (6 rows per
+  // are resident in registers, but never into a second wave: a cluster's blocks wait for each other, so a grid of
+  // 1.1 waves takes two waves' time (on the H200, 256 blocks in clusters of 8 where 240 fit: the backward at
+  // (2, 1280, 32, 32) ran 22.8 us with SMs idle half of it; ncu, benchmarks/NOTES.md session 18). Splitting further
+  // only adds cluster-wide synchronisation: on the H200 a (2, 1280, 16, 16) forward took 8.2 us unsplit (6 rows per
   // thread) and 14.9 us over clusters of 8 (one row per thread).
   int64_t groups = groups_per_tile(g, elem_size, kMinSegmentBytes);
   // A segment that ends mid-sector shares its last sector with the next tile's block, which DRAM serves again when
@@ -148,7 +154,7 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   while (g.splits < limits.max_cluster && g.rows_per_thread > rows_cap) {
     Geometry next = g;
     set_splits(next, g.splits * 2);
-    if (next.blocks() > capacity(next) && g.blocks() >= limits.num_sms) break;
+    if (next.blocks() > capacity(next)) break;
     g = next;
   }
   g.resident = g.rows_per_thread <= rows_cap;
@@ -156,9 +162,12 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   // and all N images' blocks of a tile fit one small cluster, it adds them up in place of a second kernel. On the
   // H200 (fp16) that took 1.9 us off (2, 320, 64, 64) and 6 us off (2, 960, 64, 64), but turning unclustered
   // launches into clusters of 2 cost (2, 1280, 8, 8) and (2, 1280, 16, 16) 0.5 us.
+  // The larger clusters must still hold the grid in one wave.
   if (pass == Pass::kBackward && N > 1 && (N & (N - 1)) == 0 && g.splits > 1 &&
       N * g.splits <= std::min<int64_t>(limits.max_cluster, kMaxImageCluster)) {
-    g.images = N;
+    Geometry spanned = g;
+    spanned.images = N;
+    if (spanned.blocks() <= capacity(spanned)) g = spanned;
   }
   return with_dividers(g);
 }

@@ -37,11 +37,30 @@ constexpr int kBackwardBlocksPerSm = 2;
 // Channels of one tile, at most (the backward keeps per-channel sums of a tile in shared memory).
 constexpr int kMaxTileChannels = 1024;
 
+// Thread-block clusters of one kernel resident on a device at once (cudaOccupancyMaxActiveClusters): a cluster's
+// blocks run in one GPC, so fewer fit than SMs x blocks per SM / cluster size (on the H200, 128-register blocks of
+// 224 threads: 30 clusters of 8, not 33; 14 of 16, not 16).
+struct ClusterOccupancy {
+  static constexpr int kSizes = 5;  // clusters of 1 (unused), 2, 4, 8, 16 blocks
+  static constexpr int kWarps = kMaxThreads / 32;
+  // clusters[log2 size][warps per block - 1]; 0: not known
+  int clusters[kSizes][kWarps] = {};
+
+  // Clusters of `size` blocks (a power of two) of `threads` threads (a multiple of 32) resident at once; 0: unknown.
+  int at(int64_t size, int threads) const {
+    int log2 = 0;
+    while ((int64_t{1} << log2) < size) ++log2;
+    return log2 < kSizes && threads >= 32 && threads <= kMaxThreads ? clusters[log2][threads / 32 - 1] : 0;
+  }
+};
+
 // What the device offers the geometry (read once per device by the op binding).
 struct DeviceLimits {
   int num_sms = 1;
   int max_cluster = 1;  // 1: no thread-block clusters (before sm_90)
   int64_t l2_bytes = 0;  // L2 cache size
+  // The pass's clustered kernel's, where known (else the geometry counts SMs x blocks per SM).
+  const ClusterOccupancy* occupancy = nullptr;
 };
 
 // Division of an unsigned n < 2^31 by a fixed divisor d (1 <= d < 2^31) as a multiply-high, an add and a shift
@@ -220,5 +239,12 @@ void launch_backward(const BackwardArgs& args, cudaStream_t stream);
 // clusters larger than 8 where the device schedules them.
 int forward_max_cluster(ScalarKind dtype, int vec, Act act);
 int backward_max_cluster(ScalarKind dtype, int vec, Act act);
+
+// The pass's clustered kernel's occupancy for (dtype, vec, act, straddle) on the current device, for clusters of up
+// to max_cluster blocks (the pass's *_max_cluster), queried once per device; nullptr where unknown (no clusters, or
+// first asked inside a CUDA-graph capture).
+const ClusterOccupancy* forward_cluster_occupancy(ScalarKind dtype, int vec, Act act, bool straddle, int max_cluster);
+const ClusterOccupancy* backward_cluster_occupancy(ScalarKind dtype, int vec, Act act, bool straddle,
+                                                   int max_cluster);
 
 }  // namespace gn_patch

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <atomic>
+#include <mutex>
 #include <string>
 
 #include "group_norm_act.h"
@@ -52,6 +53,16 @@ auto dispatch(ScalarKind dtype, int vec, Act act, Args&&... args) {
   return dispatch_vector<Kernels, float>(vec, act, args...);
 }
 
+// The launch attribute of a 1-D thread-block cluster of `size` blocks.
+inline cudaLaunchAttribute cluster_dimension(unsigned size) {
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = size;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  return cluster;
+}
+
 // Launches `kernel(args)` over the geometry's grid, as thread-block clusters of g.cluster() blocks when > 1.
 template <typename Args>
 void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream, const Args& args) {
@@ -61,12 +72,8 @@ void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream,
   config.gridDim = dim3((unsigned)g.blocks());
   config.blockDim = dim3((unsigned)g.threads());
   config.stream = stream;
-  cudaLaunchAttribute cluster;
+  cudaLaunchAttribute cluster = cluster_dimension((unsigned)g.cluster());
   if (g.cluster() > 1) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = (unsigned)g.cluster();
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
     config.attrs = &cluster;
     config.numAttrs = 1;
   }
@@ -107,11 +114,7 @@ int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, 64>& ca
       cudaLaunchConfig_t config = {};
       config.gridDim = dim3(kMaxCluster);
       config.blockDim = dim3(kMaxThreads);
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = kMaxCluster;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
+      cudaLaunchAttribute cluster = cluster_dimension(kMaxCluster);
       config.attrs = &cluster;
       config.numAttrs = 1;
       int clusters = 0;
@@ -123,6 +126,48 @@ int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, 64>& ca
   }
   cache[device].store(result, std::memory_order_relaxed);
   return result;
+}
+
+// One kernel's ClusterOccupancy per device, filled once.
+struct OccupancyCache {
+  std::mutex mutex;
+  std::array<std::atomic<bool>, 64> ready{};
+  std::array<ClusterOccupancy, 64> tables{};
+};
+
+// `kernel`'s ClusterOccupancy on the current device for clusters of up to max_cluster blocks (query_max_cluster's,
+// which opts it in to the non-portable sizes), queried on first use. nullptr without clusters, or when first asked
+// inside a CUDA-graph capture (the query is not made there, as in query_max_cluster).
+template <typename Args>
+const ClusterOccupancy* query_cluster_occupancy(void (*kernel)(Args), int max_cluster, OccupancyCache& cache) {
+  if (max_cluster < 2) return nullptr;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  TORCH_CHECK(device >= 0 && device < (int)cache.tables.size(), "gn_patch: device index out of range");
+  if (cache.ready[device].load(std::memory_order_acquire)) return &cache.tables[device];
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  if (!cache.ready[device].load(std::memory_order_relaxed)) {
+    ClusterOccupancy& table = cache.tables[device];
+    for (int log2 = 1; log2 < ClusterOccupancy::kSizes && (1 << log2) <= max_cluster; ++log2) {
+      for (int warps = 1; warps <= ClusterOccupancy::kWarps; ++warps) {
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(1u << log2);
+        config.blockDim = dim3(32u * warps);
+        cudaLaunchAttribute cluster = cluster_dimension(1u << log2);
+        config.attrs = &cluster;
+        config.numAttrs = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) clusters = 0;
+        table.clusters[log2][warps - 1] = clusters;
+      }
+    }
+    (void)cudaGetLastError();  // a refused query leaves 0 (unknown), not an error to report later
+    cache.ready[device].store(true, std::memory_order_release);
+  }
+  return &cache.tables[device];
 }
 
 }  // namespace gn_patch

@@ -43,14 +43,16 @@ int cluster_cap() {
   return cap;
 }
 
-DeviceLimits device_limits(const at::Tensor& x, Pass pass, ScalarKind dtype, int vec, Act act) {
+DeviceLimits device_limits(const at::Tensor& x, Pass pass, ScalarKind dtype, int vec, Act act, bool straddle) {
   DeviceLimits limits;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x.get_device());
   limits.num_sms = prop->multiProcessorCount;
   limits.l2_bytes = prop->l2CacheSize;
-  const int supported =
-      pass == Pass::kForward ? forward_max_cluster(dtype, vec, act) : backward_max_cluster(dtype, vec, act);
+  const bool forward = pass == Pass::kForward;
+  const int supported = forward ? forward_max_cluster(dtype, vec, act) : backward_max_cluster(dtype, vec, act);
   limits.max_cluster = std::min(supported, cluster_cap());
+  limits.occupancy = forward ? forward_cluster_occupancy(dtype, vec, act, straddle, supported)
+                             : backward_cluster_occupancy(dtype, vec, act, straddle, supported);
   return limits;
 }
 
@@ -68,9 +70,11 @@ Geometry geometry(Pass pass, const at::Tensor& x, int64_t num_groups, Act act,
   const ScalarKind dtype = scalar_kind(x);
   const int64_t alignment = common_alignment(pointers);
   const int vec = choose_vec(D, elem, alignment);
-  const Geometry g = make_geometry(pass, N, S, C, num_groups, elem, vec, device_limits(x, pass, dtype, vec, act));
+  const Geometry g =
+      make_geometry(pass, N, S, C, num_groups, elem, vec, device_limits(x, pass, dtype, vec, act, false));
   const int wide = g.resident ? 0 : straddling_vec(D, num_groups, elem, alignment);
-  return wide ? make_geometry(pass, N, S, C, num_groups, elem, wide, device_limits(x, pass, dtype, wide, act)) : g;
+  if (wide == 0) return g;
+  return make_geometry(pass, N, S, C, num_groups, elem, wide, device_limits(x, pass, dtype, wide, act, true));
 }
 
 // Optional (N, C) or (C,) parameters as the kernels index them (dense); the caller keeps the result alive.

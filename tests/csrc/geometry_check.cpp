@@ -14,6 +14,20 @@ using gn_patch::Pass;
 int checked = 0;
 constexpr long long kL2Bytes = 60LL << 20;
 
+// An occupancy table of the H200's kind: blocks per SM from a 128-register budget (at most 3), and clusters packed
+// with some loss (on the H200 30 clusters of 8 fit where SMs x blocks per SM / 8 is 33).
+gn_patch::ClusterOccupancy h200_like_occupancy() {
+  gn_patch::ClusterOccupancy o;
+  for (int log2 = 1; log2 < gn_patch::ClusterOccupancy::kSizes; ++log2) {
+    for (int warps = 1; warps <= gn_patch::ClusterOccupancy::kWarps; ++warps) {
+      const int per_sm = warps * 32 * 128 * 3 <= 65536 ? 3 : 2;
+      o.clusters[log2][warps - 1] = 132 * per_sm / (1 << log2) - 2;
+    }
+  }
+  return o;
+}
+const gn_patch::ClusterOccupancy kOccupancy = h200_like_occupancy();
+
 bool fail(const char* what, const Geometry& g, int elem, long long alignment, int max_cluster) {
   std::printf("violated: %s (N=%lld S=%lld C=%lld G=%lld elem=%d alignment=%lld max_cluster=%d: vec=%d "
               "groups_per_tile=%d tile_vecs=%d tiles=%lld block_rows=%d splits=%lld clustered=%d "
@@ -40,7 +54,8 @@ bool divides_exactly(const gn_patch::FastDivider& f, long long d) {
   return true;
 }
 
-bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_cluster) {
+bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_cluster,
+           const gn_patch::ClusterOccupancy* occupancy) {
   ++checked;
   auto bad = [&](const char* what) { return fail(what, g, elem, alignment, max_cluster); };
   if (g.vec < 1 || (g.vec & (g.vec - 1)) || g.vec * elem > 16 || (!g.straddle && g.D % g.vec) ||
@@ -63,6 +78,8 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
       return bad("cluster: a power of two within the limit");
     if (g.images != 1 && (g.images != g.N || pass != Pass::kBackward))
       return bad("clusters span all the images of a tile, in the backward only");
+    if (occupancy != nullptr && g.cluster() > 1 && g.blocks() > occupancy->at(g.cluster(), g.threads()) * g.cluster())
+      return bad("a grid of clusters runs in one wave");
   } else if (g.resident) {
     return bad("unclustered geometries stream their rows");
   }
@@ -102,9 +119,12 @@ int main() {
               for (int vec : {narrow, wide}) {
                 if (vec == 0) continue;
                 for (int max_cluster : {1, 8, 16}) {
-                  const Geometry g =
-                      gn_patch::make_geometry(pass, N, S, cg[0], cg[1], elem, vec, {132, max_cluster, kL2Bytes});
-                  if (!check(pass, g, elem, alignment, max_cluster)) return 1;
+                  for (const gn_patch::ClusterOccupancy* occupancy : {(const gn_patch::ClusterOccupancy*)nullptr,
+                                                                      &kOccupancy}) {
+                    const Geometry g = gn_patch::make_geometry(pass, N, S, cg[0], cg[1], elem, vec,
+                                                               {132, max_cluster, kL2Bytes, occupancy});
+                    if (!check(pass, g, elem, alignment, max_cluster, occupancy)) return 1;
+                  }
                 }
               }
             }

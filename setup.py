@@ -46,11 +46,13 @@ def _build_options() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     class BuildWithInfo(BuildExtension):
-        """BuildExtension, then gn_patch_C.json beside the library: the torch, CUDA and architectures it is for."""
+        """BuildExtension, then gn_patch_C.json beside the library: the torch, CUDA and architectures it is for, and
+        the digest of the sources it was compiled from."""
 
         def run(self):
             super().run()
-            info = {"torch": torch.__version__, "cuda": torch.version.cuda, "arch": ARCH_LIST}
+            info = {"torch": torch.__version__, "cuda": torch.version.cuda, "arch": ARCH_LIST,
+                    "sources": extension.sources_digest(ROOT / "csrc")}
             for ext in self.extensions:
                 library = Path(self.get_ext_fullpath(ext.name))
                 library.with_name(f"{extension.EXTENSION_NAME}.json").write_text(json.dumps(info) + "\n")

@@ -1,5 +1,5 @@
-// Argument checks, layout queries and name parsing shared by the CUDA ops (ops.cpp) and the dispatching op
-// (autograd.cpp). Messages match torch.nn.GroupNorm's where it has one, and gn_patch/ops.py's fake functions.
+// Argument checks, layout queries and name parsing shared by the CUDA ops (ops.cpp, residual.cu) and the dispatching
+// op (autograd.cpp). Messages match torch.nn.GroupNorm's where it has one, and gn_patch/ops.py's fake functions.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +8,8 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -63,6 +65,15 @@ inline void check_num_groups(int64_t num_groups) {
 inline void check_eps(double eps) {
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
                     "gn_patch: eps must be a finite number >= 0, got " + std::to_string(eps));
+}
+
+// Largest power of two (<= 16) dividing every pointer's address: the widest vector access all of them allow.
+inline int64_t common_alignment(std::initializer_list<const void*> pointers) {
+  int64_t alignment = 16;
+  for (const void* p : pointers) {
+    while (alignment > 1 && reinterpret_cast<uintptr_t>(p) % alignment != 0) alignment /= 2;
+  }
+  return alignment;
 }
 
 inline bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }

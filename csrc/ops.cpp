@@ -24,15 +24,6 @@
 namespace gn_patch {
 namespace {
 
-// Largest power of two (<= 16) dividing every pointer's address: the widest vector access all of them allow.
-int64_t common_alignment(std::initializer_list<const void*> pointers) {
-  int64_t alignment = 16;
-  for (const void* p : pointers) {
-    while (alignment > 1 && reinterpret_cast<uintptr_t>(p) % alignment != 0) alignment /= 2;
-  }
-  return alignment;
-}
-
 // GN_PATCH_MAX_CLUSTER (a power of two; 1 turns clusters off) caps the cluster size the geometry may choose: a
 // tuning and diagnosis knob, read once.
 int cluster_cap() {

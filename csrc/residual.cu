@@ -63,17 +63,6 @@ void launch_bias_residual_add(const at::Tensor& residual, const at::Tensor& x, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The widest vector (elements, 16 bytes at most) dividing C whose accesses every pointer's alignment allows.
-int residual_vec(int64_t C, int elem_size, std::initializer_list<const void*> pointers) {
-  int vec = 16 / elem_size;
-  auto aligned = [&](int v) {
-    return std::all_of(pointers.begin(), pointers.end(),
-                       [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % (v * elem_size) == 0; });
-  };
-  while (vec > 1 && (C % vec != 0 || !aligned(vec))) vec /= 2;
-  return vec;
-}
-
 template <typename T>
 void dispatch_vec(int vec, const at::Tensor& residual, const at::Tensor& x, const at::Tensor& bias, at::Tensor& out) {
   constexpr int kFull = 16 / sizeof(T);
@@ -107,8 +96,10 @@ at::Tensor bias_residual_add_cuda(const at::Tensor& residual, const at::Tensor& 
   if (!kernel_takes(residual, x, bias) || x.numel() == 0) return pytorch_bias_residual_add(residual, x, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty_like(x);
-  const int vec = residual_vec(x.size(1), (int)x.element_size(),
-                               {residual.const_data_ptr(), x.const_data_ptr(), bias.const_data_ptr(), out.data_ptr()});
+  // The widest vector dividing C (a row's channels) that every pointer's alignment allows.
+  const int vec = choose_vec(x.size(1), (int)x.element_size(),
+                             common_alignment({residual.const_data_ptr(), x.const_data_ptr(), bias.const_data_ptr(),
+                                               out.const_data_ptr()}));
   switch (scalar_kind(x)) {
     case ScalarKind::kHalf: dispatch_vec<__half>(vec, residual, x, bias, out); break;
     case ScalarKind::kBFloat16: dispatch_vec<__nv_bfloat16>(vec, residual, x, bias, out); break;

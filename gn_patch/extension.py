@@ -10,7 +10,7 @@ with nvcc but no GPU::
 
 An install with ``GN_PATCH_CUDA_ARCH_LIST`` set (``GN_PATCH_CUDA_ARCH_LIST="8.0;9.0" pip install
 --no-build-isolation .``, see setup.py) compiles the library into the package instead; it is loaded when it was
-built for the running torch and GPU, and the JIT build above serves otherwise.
+built for the running torch and GPU from the sources beside it, and the JIT build above serves otherwise.
 
 Environment: ``GN_PATCH_BUILD_DIR`` overrides the cache folder (default ``~/.cache/gn_patch``);
 ``CUDA_HOME`` names the CUDA toolkit; ``MAX_JOBS`` caps ninja's parallel compiles.
@@ -18,6 +18,7 @@ Environment: ``GN_PATCH_BUILD_DIR`` overrides the cache folder (default ``~/.cac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import site
@@ -32,7 +33,7 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 EXTENSION_NAME = "gn_patch_C"
-# Written by setup.py beside the library it compiles at install time: {"torch", "cuda", "arch"}.
+# Written by setup.py beside the library it compiles at install time: {"torch", "cuda", "arch", "sources"}.
 PREBUILT_INFO = PACKAGE_DIR / f"{EXTENSION_NAME}.json"
 # Compiler flags of both builds (the JIT one here, the install-time one of setup.py).
 CXX_FLAGS = ["-O3"]
@@ -90,16 +91,28 @@ def source_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.cpp")) + sorted(directory.glob("*.cu"))
 
 
+def sources_digest(directory: Path) -> str:
+    """SHA-256 (hex) over the kernel sources of ``directory``, every ``*.cpp``, ``*.cu``, ``*.h`` and ``*.cuh`` by
+    name and content: a library compiled at install time records it, so that one compiled from other sources (an
+    editable install's, after a checkout) is not loaded."""
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in ("*.cpp", "*.cu", "*.h", "*.cuh") for p in directory.glob(pattern)):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _arch_set(arch_list: str) -> set[str]:
     """'8.0;9.0+PTX' (or space-separated) -> {'8.0', '9.0'}."""
     return {a.removesuffix("+PTX") for a in arch_list.replace(" ", ";").split(";") if a}
 
 
 def prebuilt_library(arch: str) -> Path | None:
-    """The library compiled at install time, if there is one built for this torch, this CUDA and ``arch``.
+    """The library compiled at install time, if there is one built for this torch, this CUDA and ``arch`` from the
+    kernel sources found beside it (source_directory; where there are none, the library is taken as it is).
 
     A prebuilt library for another torch or other architectures is not used (it would not load, or would have no
-    kernel for the GPU): the caller then builds one on first use, and this warns once to say why.
+    kernel for the GPU), nor one compiled from other sources (it would lack ops or kernels of this version): the
+    caller then builds one on first use, and this warns once to say why.
     """
     libraries = [p for suffix in EXTENSION_SUFFIXES for p in PACKAGE_DIR.glob(f"{EXTENSION_NAME}{suffix}")]
     if not libraries or not PREBUILT_INFO.is_file():
@@ -111,6 +124,14 @@ def prebuilt_library(arch: str) -> Path | None:
                       f"{info.get('cuda')}, arch {info.get('arch')}) do not fit torch {torch.__version__}, CUDA "
                       f"{torch.version.cuda}, arch {arch}: compiling them for this setup instead",
                       RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        sources = source_directory()
+    except BuildError:
+        return libraries[0]
+    if info.get("sources") != sources_digest(sources):
+        warnings.warn(f"gn_patch: the prebuilt kernels ({libraries[0].name}) were compiled from other sources than "
+                      f"those in {sources}: compiling these instead", RuntimeWarning, stacklevel=3)
         return None
     return libraries[0]
 

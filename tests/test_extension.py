@@ -63,14 +63,19 @@ def test_missing_sources_are_one_clear_error(monkeypatch, tmp_path):
 
 @pytest.fixture
 def prebuilt(monkeypatch, tmp_path):
-    """A package folder holding a fake library compiled at install time; returns a function writing its record."""
+    """A package folder holding a fake library compiled at install time and its sources (csrc/); returns a function
+    writing the library's record."""
     monkeypatch.setattr(extension, "PACKAGE_DIR", tmp_path)
     monkeypatch.setattr(extension, "PREBUILT_INFO", tmp_path / "gn_patch_C.json")
     library = tmp_path / f"gn_patch_C{extension.EXTENSION_SUFFIXES[0]}"
     library.write_bytes(b"")
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "ops.cpp").write_text("// ops\n")
+    (tmp_path / "csrc" / "reduce.cuh").write_text("// reductions\n")
 
     def record(**changes):
-        info = {"torch": extension.torch.__version__, "cuda": extension.torch.version.cuda, "arch": "8.0;9.0+PTX"}
+        info = {"torch": extension.torch.__version__, "cuda": extension.torch.version.cuda, "arch": "8.0;9.0+PTX",
+                "sources": extension.sources_digest(tmp_path / "csrc")}
         extension.PREBUILT_INFO.write_text(json.dumps({**info, **changes}))
         return library
 
@@ -94,6 +99,26 @@ def test_prebuilt_library_for_another_setup_is_not_used(prebuilt, changes, arch)
     prebuilt(**changes)
     with pytest.warns(RuntimeWarning, match="compiling them for this setup instead"):
         assert extension.prebuilt_library(arch) is None
+
+
+@pytest.mark.parametrize("edit", ["source", "header", "record_without_digest"])
+def test_prebuilt_library_from_other_sources_is_not_used(prebuilt, tmp_path, edit):
+    """A library compiled before the sources beside it changed (an editable install's, after a checkout) would lack
+    their ops or kernels: it is compiled again from them instead; a record from before the digest counts as other
+    sources."""
+    prebuilt(**({"sources": None} if edit == "record_without_digest" else {}))
+    if edit != "record_without_digest":
+        (tmp_path / "csrc" / ("ops.cpp" if edit == "source" else "reduce.cuh")).write_text("// changed\n")
+    with pytest.warns(RuntimeWarning, match="compiled from other sources"):
+        assert extension.prebuilt_library("9.0") is None
+
+
+def test_prebuilt_library_without_sources_is_used(prebuilt, tmp_path):
+    """Nothing to compile it from: the library is all there is."""
+    library = prebuilt()
+    for path in (tmp_path / "csrc").iterdir():
+        path.unlink()
+    assert extension.prebuilt_library("9.0") == library
 
 
 def test_no_prebuilt_library_without_its_record(prebuilt):

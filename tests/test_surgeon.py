@@ -367,7 +367,6 @@ def test_conv2_bias_folds_only_where_stock_values_follow(case, monkeypatch):
     """conv2's bias joins the residual sum only where conv1's would join norm2 (conv_bias_folds: same conditions on
     conv2 and the input), output_scale_factor is the number 1.0 and the kernels are loaded."""
     monkeypatch.setattr(extension, "kernels_available", lambda: True)
-    monkeypatch.setattr(rules.resnet, "_residual_kernel_loaded", lambda: True)  # no library on a CPU-only torch
     block, x = _conv2_case(case, "cpu")
     cuda_like = SimpleNamespace(is_cuda=True, requires_grad=x.requires_grad)
     with torch.set_grad_enabled(case == "grad"):
@@ -375,15 +374,6 @@ def test_conv2_bias_folds_only_where_stock_values_follow(case, monkeypatch):
         assert not rules.resnet.conv2_bias_folds(block, x)  # a CPU input
     monkeypatch.setattr(extension, "kernels_available", lambda: False)
     assert not rules.resnet.conv2_bias_folds(block, cuda_like)
-
-
-def test_conv2_bias_keeps_out_of_a_library_without_the_residual_kernel(monkeypatch):
-    """A library compiled before gn_patch::bias_residual_add existed (an editable install's) loads but has no CUDA
-    kernel for it: the blocks keep conv2's bias instead of calling the op."""
-    monkeypatch.setattr(extension, "kernels_available", lambda: True)
-    monkeypatch.setattr(rules.resnet, "_residual_kernel_loaded", lambda: False)
-    block, _ = _conv2_case("plain", "cpu")
-    assert not rules.resnet.conv2_bias_folds(block, SimpleNamespace(is_cuda=True, requires_grad=False))
 
 
 def test_compiled_modules_do_not_run_forward_only():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from diffusers.models.normalization import AdaGroupNorm
@@ -52,15 +50,7 @@ def conv2_bias_folds(block: ResnetBlock2D, hidden_states: torch.Tensor) -> bool:
     skips it) and gn_patch's CUDA kernels loaded."""
     factor = block.output_scale_factor
     return (isinstance(factor, (int, float)) and factor == 1.0 and conv_bias_folds(block.conv2, hidden_states)
-            and extension.kernels_available() and _residual_kernel_loaded())
-
-
-@functools.cache
-def _residual_kernel_loaded() -> bool:
-    """The loaded library implements gn_patch::bias_residual_add on CUDA (one compiled before the op existed, kept in
-    the package by an editable install, does not: the blocks then keep conv2's bias). Asked once the kernels are
-    loaded."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("gn_patch::bias_residual_add", "CUDA")
+            and extension.kernels_available())
 
 
 def conv_bias_folds(conv: nn.Module, hidden_states: torch.Tensor) -> bool:

@@ -46,15 +46,16 @@ def _build_options() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     class BuildWithInfo(BuildExtension):
-        """BuildExtension, then gn_patch_C.json beside the library: the torch, CUDA and architectures it is for, and
-        the digest of the sources it was compiled from."""
+        """BuildExtension, then gn_patch_C.json beside the library: its file name, the torch, CUDA and
+        architectures it is for, and the digest of the sources it is compiled from (taken before the compile)."""
 
         def run(self):
+            sources = extension.sources_digest(ROOT / "csrc")
             super().run()
-            info = {"torch": torch.__version__, "cuda": torch.version.cuda, "arch": ARCH_LIST,
-                    "sources": extension.sources_digest(ROOT / "csrc")}
             for ext in self.extensions:
                 library = Path(self.get_ext_fullpath(ext.name))
+                info = {"library": library.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+                        "arch": ARCH_LIST, "sources": sources}
                 library.with_name(f"{extension.EXTENSION_NAME}.json").write_text(json.dumps(info) + "\n")
 
     sources = [str(path.relative_to(ROOT)) for path in extension.source_files(ROOT / "csrc")]

@@ -24,12 +24,15 @@
 namespace gn_patch {
 namespace {
 
-// GN_PATCH_MAX_CLUSTER (a power of two; 1 turns clusters off) caps the cluster size the geometry may choose: a
-// tuning and diagnosis knob, read once.
+// GN_PATCH_MAX_CLUSTER (1 turns clusters off; other values round down to a power of two, the sizes the geometry
+// doubles through) caps the cluster size the geometry may choose: a tuning and diagnosis knob, read once.
 int cluster_cap() {
   static const int cap = [] {
     const char* value = std::getenv("GN_PATCH_MAX_CLUSTER");
-    return value ? std::max(1, std::atoi(value)) : kMaxCluster;
+    if (value == nullptr) return kMaxCluster;
+    int size = 1;
+    while (size * 2 <= std::min(std::atoi(value), kMaxCluster)) size *= 2;
+    return size;
   }();
   return cap;
 }

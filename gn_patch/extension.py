@@ -26,14 +26,13 @@ import shutil
 import sys
 import time
 import warnings
-from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 EXTENSION_NAME = "gn_patch_C"
-# Written by setup.py beside the library it compiles at install time: {"torch", "cuda", "arch", "sources"}.
+# Written by setup.py beside the library it compiles at install time: {"library", "torch", "cuda", "arch", "sources"}.
 PREBUILT_INFO = PACKAGE_DIR / f"{EXTENSION_NAME}.json"
 # Compiler flags of both builds (the JIT one here, the install-time one of setup.py).
 CXX_FLAGS = ["-O3"]
@@ -86,17 +85,28 @@ def source_directory() -> Path:
                      "reinstall gn_patch from a wheel, an sdist or a checkout")
 
 
+def _kernel_files(directory: Path, *patterns: str) -> list[Path]:
+    """The regular files of ``directory`` matching ``patterns``, sorted by name; hidden ones (an editor's lock or
+    backup files) left out, as the package data leaves them out."""
+    paths = (p for pattern in patterns for p in directory.glob(pattern))
+    return sorted(p for p in paths if p.is_file() and not p.name.startswith("."))
+
+
 def source_files(directory: Path) -> list[Path]:
     """Every translation unit of ``directory``: its ``*.cpp`` then its ``*.cu`` files, each group sorted by name."""
-    return sorted(directory.glob("*.cpp")) + sorted(directory.glob("*.cu"))
+    return _kernel_files(directory, "*.cpp") + _kernel_files(directory, "*.cu")
 
 
 def sources_digest(directory: Path) -> str:
     """SHA-256 (hex) over the kernel sources of ``directory``, every ``*.cpp``, ``*.cu``, ``*.h`` and ``*.cuh`` by
     name and content: a library compiled at install time records it, so that one compiled from other sources (an
-    editable install's, after a checkout) is not loaded."""
+    editable install's, after a checkout) is not loaded.
+
+    Raises:
+        OSError: a source cannot be read.
+    """
     digest = hashlib.sha256()
-    for path in sorted(p for pattern in ("*.cpp", "*.cu", "*.h", "*.cuh") for p in directory.glob(pattern)):
+    for path in _kernel_files(directory, "*.cpp", "*.cu", "*.h", "*.cuh"):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -106,34 +116,63 @@ def _arch_set(arch_list: str) -> set[str]:
     return {a.removesuffix("+PTX") for a in arch_list.replace(" ", ";").split(";") if a}
 
 
+def _prebuilt_record() -> dict | None:
+    """gn_patch_C.json as setup.py writes it ({"library", "torch", "cuda", "arch", "sources"}: torch.__version__ and
+    torch.version.cuda as they were, strings otherwise), or None with a warning when it is not that."""
+    try:
+        info = json.loads(PREBUILT_INFO.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        problem = str(exc)
+    else:
+        if (isinstance(info, dict) and {"torch", "cuda"} <= info.keys()
+                and all(isinstance(info.get(k), str) for k in ("library", "arch", "sources"))):
+            return info
+        problem = "not an object with the fields library, torch, cuda, arch and sources"
+    warnings.warn(f"gn_patch: {PREBUILT_INFO} is not a readable record of the prebuilt kernels ({problem}): "
+                  "compiling them instead", RuntimeWarning, stacklevel=4)
+    return None
+
+
 def prebuilt_library(arch: str) -> Path | None:
-    """The library compiled at install time, if there is one built for this torch, this CUDA and ``arch`` from the
-    kernel sources found beside it (source_directory; where there are none, the library is taken as it is).
+    """The library compiled at install time that gn_patch_C.json names, if it was built for this torch, this CUDA
+    and ``arch`` from the kernel sources found beside it (source_directory; where there are none, the library is
+    taken as it is).
 
     A prebuilt library for another torch or other architectures is not used (it would not load, or would have no
-    kernel for the GPU), nor one compiled from other sources (it would lack ops or kernels of this version): the
-    caller then builds one on first use, and this warns once to say why.
+    kernel for the GPU), nor one compiled from other sources or whose sources cannot be read (it could lack ops or
+    kernels of this version), nor one whose record cannot be read: the caller then builds one on first use, and
+    this warns once to say why.
     """
-    libraries = [p for suffix in EXTENSION_SUFFIXES for p in PACKAGE_DIR.glob(f"{EXTENSION_NAME}{suffix}")]
-    if not libraries or not PREBUILT_INFO.is_file():
+    if not PREBUILT_INFO.exists():
         return None
-    info = json.loads(PREBUILT_INFO.read_text())
+    info = _prebuilt_record()
+    if info is None:
+        return None
+    library = PACKAGE_DIR / info["library"]
+    if Path(info["library"]).name != info["library"] or not library.is_file():
+        return None
     here = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    if {k: info.get(k) for k in here} != here or not _arch_set(arch) <= _arch_set(info.get("arch", "")):
-        warnings.warn(f"gn_patch: the prebuilt kernels ({libraries[0].name}: torch {info.get('torch')}, CUDA "
-                      f"{info.get('cuda')}, arch {info.get('arch')}) do not fit torch {torch.__version__}, CUDA "
-                      f"{torch.version.cuda}, arch {arch}: compiling them for this setup instead",
-                      RuntimeWarning, stacklevel=3)
+    if {k: info[k] for k in here} != here or not _arch_set(arch) <= _arch_set(info["arch"]):
+        warnings.warn(f"gn_patch: the prebuilt kernels ({library.name}: torch {info['torch']}, CUDA {info['cuda']}, "
+                      f"arch {info['arch']}) do not fit torch {torch.__version__}, CUDA {torch.version.cuda}, arch "
+                      f"{arch}: compiling them for this setup instead", RuntimeWarning, stacklevel=3)
         return None
     try:
         sources = source_directory()
     except BuildError:
-        return libraries[0]
-    if info.get("sources") != sources_digest(sources):
-        warnings.warn(f"gn_patch: the prebuilt kernels ({libraries[0].name}) were compiled from other sources than "
+        return library
+    try:
+        digest = sources_digest(sources)
+    except OSError as exc:
+        warnings.warn(f"gn_patch: the kernel sources in {sources} cannot be read ({exc}), so the prebuilt kernels "
+                      f"({library.name}) cannot be matched to them: compiling them instead", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    if info["sources"] != digest:
+        warnings.warn(f"gn_patch: the prebuilt kernels ({library.name}) were compiled from other sources than "
                       f"those in {sources}: compiling these instead", RuntimeWarning, stacklevel=3)
         return None
-    return libraries[0]
+    return library
 
 
 def library_include_paths() -> list[str]:

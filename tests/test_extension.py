@@ -5,6 +5,7 @@ compiled at install time is used only where it fits, and (in CI) the kernels com
 import json
 import os
 import warnings
+from importlib.machinery import EXTENSION_SUFFIXES
 
 import pytest
 
@@ -67,15 +68,15 @@ def prebuilt(monkeypatch, tmp_path):
     writing the library's record."""
     monkeypatch.setattr(extension, "PACKAGE_DIR", tmp_path)
     monkeypatch.setattr(extension, "PREBUILT_INFO", tmp_path / "gn_patch_C.json")
-    library = tmp_path / f"gn_patch_C{extension.EXTENSION_SUFFIXES[0]}"
+    library = tmp_path / f"gn_patch_C{EXTENSION_SUFFIXES[0]}"
     library.write_bytes(b"")
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "ops.cpp").write_text("// ops\n")
     (tmp_path / "csrc" / "reduce.cuh").write_text("// reductions\n")
 
     def record(**changes):
-        info = {"torch": extension.torch.__version__, "cuda": extension.torch.version.cuda, "arch": "8.0;9.0+PTX",
-                "sources": extension.sources_digest(tmp_path / "csrc")}
+        info = {"library": library.name, "torch": extension.torch.__version__, "cuda": extension.torch.version.cuda,
+                "arch": "8.0;9.0+PTX", "sources": extension.sources_digest(tmp_path / "csrc")}
         extension.PREBUILT_INFO.write_text(json.dumps({**info, **changes}))
         return library
 
@@ -101,15 +102,62 @@ def test_prebuilt_library_for_another_setup_is_not_used(prebuilt, changes, arch)
         assert extension.prebuilt_library(arch) is None
 
 
-@pytest.mark.parametrize("edit", ["source", "header", "record_without_digest"])
+@pytest.mark.parametrize("edit", ["source", "header"])
 def test_prebuilt_library_from_other_sources_is_not_used(prebuilt, tmp_path, edit):
     """A library compiled before the sources beside it changed (an editable install's, after a checkout) would lack
-    their ops or kernels: it is compiled again from them instead; a record from before the digest counts as other
-    sources."""
-    prebuilt(**({"sources": None} if edit == "record_without_digest" else {}))
-    if edit != "record_without_digest":
-        (tmp_path / "csrc" / ("ops.cpp" if edit == "source" else "reduce.cuh")).write_text("// changed\n")
+    their ops or kernels: it is compiled again from them instead."""
+    prebuilt()
+    (tmp_path / "csrc" / ("ops.cpp" if edit == "source" else "reduce.cuh")).write_text("// changed\n")
     with pytest.warns(RuntimeWarning, match="compiled from other sources"):
+        assert extension.prebuilt_library("9.0") is None
+
+
+@pytest.mark.parametrize("record", ["{not json", "[]", "null", '{"torch": "2.14.1"}', "arch_null", "\ufeff{}"])
+def test_unreadable_record_is_one_warning(prebuilt, record):
+    """A record that is not setup.py's (not JSON, not an object, missing or mistyped fields, one from before the
+    digest) is not trusted."""
+    prebuilt()
+    text = (json.dumps({**json.loads(extension.PREBUILT_INFO.read_text()), "arch": None}) if record == "arch_null"
+            else record)
+    extension.PREBUILT_INFO.write_text(text)
+    with pytest.warns(RuntimeWarning, match="not a readable record"):
+        assert extension.prebuilt_library("9.0") is None
+
+
+def test_editor_files_and_folders_among_the_sources_change_nothing(prebuilt, tmp_path):
+    """An editor's lock file (a dangling hidden symlink), hidden backups and a folder named like a header neither
+    break the digest nor count as sources."""
+    library = prebuilt()
+    csrc = tmp_path / "csrc"
+    (csrc / ".#ops.cpp").symlink_to(tmp_path / "nowhere")
+    (csrc / ".ops.cpp.swp.h").write_text("// backup\n")
+    (csrc / "folder.h").mkdir()
+    assert extension.prebuilt_library("9.0") == library
+    assert [p.name for p in extension.source_files(csrc)] == ["ops.cpp"]
+
+
+def test_the_record_names_its_library(prebuilt, tmp_path):
+    """Libraries of other Python versions beside it are not the one the record describes."""
+    prebuilt()
+    other = tmp_path / "gn_patch_C.abi3.so"
+    other.write_bytes(b"")
+    record = json.loads(extension.PREBUILT_INFO.read_text())
+    extension.PREBUILT_INFO.write_text(json.dumps({**record, "library": other.name}))
+    assert extension.prebuilt_library("9.0") == other
+    extension.PREBUILT_INFO.write_text(json.dumps({**record, "library": "gn_patch_C.cpython-0-x.so"}))
+    assert extension.prebuilt_library("9.0") is None
+    extension.PREBUILT_INFO.write_text(json.dumps({**record, "library": "../gn_patch_C.so"}))
+    assert extension.prebuilt_library("9.0") is None
+
+
+def test_unreadable_sources_are_not_matched(prebuilt, monkeypatch):
+    prebuilt()
+
+    def unreadable(directory):
+        raise PermissionError(13, "Permission denied", str(directory / "ops.cpp"))
+
+    monkeypatch.setattr(extension, "sources_digest", unreadable)
+    with pytest.warns(RuntimeWarning, match="cannot be read"):
         assert extension.prebuilt_library("9.0") is None
 
 

@@ -366,8 +366,8 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
         own_groups<Straddle>(g, b, [&](int gl) { return group_total(partial, gl, g, welford_combine); });
     const GroupWriter writes = group_writer<Straddle>(g, b);
     const int64_t group = b.n * g.G + b.group;
-    auto finalise = [&](const Welford& total, bool writer, int64_t group) {
-      return group_stats_of(total, a.eps, writer ? a.mean + group : nullptr, a.rstd + group);
+    auto finalise = [&](const Welford& total, bool writer, int64_t ng) {
+      return group_stats_of(total, a.eps, writer ? a.mean + ng : nullptr, a.rstd + ng);
     };
     stats.lo = finalise(totals.lo, writes.lo, group);
     stats.hi = Straddle ? finalise(totals.hi, writes.hi, group + 1) : stats.lo;

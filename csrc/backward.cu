@@ -58,13 +58,9 @@ struct LaneConstants {
 
 template <bool Straddle>
 __device__ __forceinline__ Moments group_moments(const BackwardArgs& a, const BlockCoord& b) {
-  const int64_t ng = b.n * a.geo.G + b.group;
   if (!b.active) return Moments{};
-  const float2 lo = make_float2(a.mean[ng], a.rstd[ng]);
-  if constexpr (Straddle) {
-    return Moments{lo, b.lanes_lo < a.geo.vec ? make_float2(a.mean[ng + 1], a.rstd[ng + 1]) : lo};
-  }
-  return Moments{lo, lo};
+  const int64_t ng = b.n * a.geo.G + b.group;
+  return own_groups<Straddle>(a.geo, b, [&](int i) { return make_float2(a.mean[ng + i], a.rstd[ng + i]); });
 }
 
 // affine[j]: channel_affine of the thread's channel c0 + j.
@@ -284,7 +280,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
         if (lane == 0) group_coef[gl] = make_float2(s.x * inv_m, s.y * inv_m);
       }
       __syncthreads();
-      if (b.active) coef = own_groups<Straddle>(g, b, [&](int gl) { return group_coef[gl]; });
+      if (b.active) coef = own_groups<Straddle>(g, b, [&](int i) { return group_coef[b.group_local + i]; });
     }
   } else {
     // The block holds its image's rows of the tile. Each thread's weighted sums reduce per group alongside the
@@ -298,8 +294,8 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
       block_group_partials(w.lo, group_items, group_parts, g, add2);
     }
     if (b.active) {
-      coef = own_groups<Straddle>(g, b, [&](int gl) {
-        const float2 s = group_total(group_parts, gl, g, add2);
+      coef = own_groups<Straddle>(g, b, [&](int i) {
+        const float2 s = group_total(group_parts, b.group_local + i, g, add2);
         return make_float2(s.x * inv_m, s.y * inv_m);
       });
     }
@@ -379,7 +375,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(c
   if (!b.active) return;  // no barriers in this kernel
   const int64_t offset = b.n * g.S * g.C + b.c0;
   const float2* coefficients = reinterpret_cast<const float2*>(a.coefficients) + b.n * g.G + b.group;
-  const Coefficients coef{coefficients[0], coefficients[Straddle && b.lanes_lo < V ? 1 : 0]};
+  const Coefficients coef = own_groups<Straddle>(g, b, [&](int i) { return coefficients[i]; });
   dx_streamed<T, V, A, Straddle>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
                                  static_cast<T*>(a.dx) + offset, g, b, thread_rows(g, b),
                                  lane_constants<T, V, Straddle>(a, b), coef);

@@ -303,16 +303,12 @@ __device__ __forceinline__ GroupWriter group_writer(const Geometry& g, const Blo
   return GroupWriter{b.col == b.group_local * g.vecs_per_group, false};
 }
 
-// The thread's LaneAffine from its group's (reference, mean offset, rstd) `lo` (and, straddling, the next group's
-// `hi`).
+// The thread's LaneAffine from its groups' (reference, mean offset, rstd) (own_groups: hi is lo where the vector
+// lies in one group).
 template <int V, bool Straddle>
-__device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(float4 lo, float4 hi, const float2* affine,
+__device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(const GroupPair<float4>& stats, const float2* affine,
                                                                const BlockCoord& b) {
-  if constexpr (Straddle) {
-    return LaneAffine<V, true>(lo, affine, b.lanes_lo < V ? hi : lo, b.lanes_lo);
-  } else {
-    return LaneAffine<V>(lo, affine);
-  }
+  return LaneAffine<V, Straddle>(stats.lo, affine, stats.hi, b.lanes_lo);
 }
 
 template <typename T, int V, Act A, bool Straddle, bool Offset>
@@ -358,12 +354,12 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     }
     cluster_arrive(g.cluster());
     __syncthreads();
-    if (b.active) stats = own_groups<Straddle>(g, b, [&](int gl) { return group_stats[gl]; });
+    if (b.active) stats = own_groups<Straddle>(g, b, [&](int i) { return group_stats[b.group_local + i]; });
   } else if (b.active) {
     // Each thread combines its own group's parts (the same bits in every thread of the group) and finalises them:
     // no barrier after; the thread holding the group's first channel in the block's first row writes them.
-    const ThreadStats totals =
-        own_groups<Straddle>(g, b, [&](int gl) { return group_total(partial, gl, g, welford_combine); });
+    const ThreadStats totals = own_groups<Straddle>(
+        g, b, [&](int i) { return group_total(partial, b.group_local + i, g, welford_combine); });
     const GroupWriter writes = group_writer<Straddle>(g, b);
     const int64_t group = b.n * g.G + b.group;
     auto finalise = [&](const Welford& total, bool writer, int64_t ng) {
@@ -374,7 +370,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   }
 
   if (b.active) {
-    const auto l = lane_affine<V, Straddle>(stats.lo, stats.hi, &tile_affine[b.col * V], b);
+    const auto l = lane_affine<V, Straddle>(stats, &tile_affine[b.col * V], b);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
     if (g.resident) {
 #pragma unroll
@@ -438,7 +434,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
   const float4* stats = reinterpret_cast<const float4*>(a.group_stats) + b.n * g.G + b.group;
-  const auto l = lane_affine<V, Straddle>(stats[0], Straddle && b.lanes_lo < V ? stats[1] : stats[0], affine, b);
+  const auto l = lane_affine<V, Straddle>(own_groups<Straddle>(g, b, [&](int i) { return stats[i]; }), affine, b);
   normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + first, static_cast<T*>(a.y) + first, g, b,
                               thread_rows(g, b), l, RowOffset<T, V, Offset>(a, b));
 }

@@ -91,20 +91,30 @@ inline void check_straddling_kernels(const Geometry& g, ScalarKind dtype) {
               "gn_patch: straddling geometry for vectors without straddling kernels");
 }
 
+// The current device, an index into the per-device caches below (`entries` long).
+inline int cached_device(size_t entries) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  TORCH_CHECK(device >= 0 && device < (int)entries, "gn_patch: device index out of range");
+  return device;
+}
+
+// Whether the current stream is capturing a CUDA graph: the kernels' opt-ins and occupancy queries are not made then.
+inline bool capturing() {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
 // The largest power-of-two cluster (<= kMaxCluster) `kernel` launches with on the current device, with blocks of
 // kMaxThreads threads; 1 without cluster support. Opts the kernel in to non-portable sizes (> 8) where the
 // device schedules them. `cache` holds one entry per device (0: not queried yet).
 template <typename Args>
 int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, 64>& cache) {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  TORCH_CHECK(device >= 0 && device < (int)cache.size(), "gn_patch: device index out of range");
+  const int device = cached_device(cache.size());
   const int cached = cache[device].load(std::memory_order_relaxed);
   if (cached > 0) return cached;
-  // Inside a CUDA-graph capture the opt-in and the occupancy query are not made: portable clusters then.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
-  if (capture != cudaStreamCaptureStatusNone) return 8;
+  if (capturing()) return 8;  // portable clusters until asked outside a capture
   int supported = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device));
   int result = 1;
@@ -141,13 +151,9 @@ struct OccupancyCache {
 template <typename Args>
 const ClusterOccupancy* query_cluster_occupancy(void (*kernel)(Args), int max_cluster, OccupancyCache& cache) {
   if (max_cluster < 2) return nullptr;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  TORCH_CHECK(device >= 0 && device < (int)cache.tables.size(), "gn_patch: device index out of range");
+  const int device = cached_device(cache.tables.size());
   if (cache.ready[device].load(std::memory_order_acquire)) return &cache.tables[device];
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
-  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  if (capturing()) return nullptr;
   const std::lock_guard<std::mutex> lock(cache.mutex);
   if (!cache.ready[device].load(std::memory_order_relaxed)) {
     ClusterOccupancy& table = cache.tables[device];

@@ -103,12 +103,13 @@ struct GroupPair {
   V lo, hi;
 };
 
-// f(gl) of the thread's tile group and, where its vector straddles, of the next one (else hi = lo).
+// f(0), the value of the thread's group, and f(1), of the next group where its vector straddles (else hi = lo).
+// f takes the offset from the thread's group: add it to b.group_local for tile-local arrays, to n * G + b.group for
+// global ones.
 template <bool Straddle, typename F>
-__device__ __forceinline__ auto own_groups(const Geometry& g, const BlockCoord& b, F&& f)
-    -> GroupPair<decltype(f(0))> {
-  const auto lo = f(b.group_local);
-  return {lo, Straddle && b.lanes_lo < g.vec ? f(b.group_local + 1) : lo};
+__device__ __forceinline__ auto own_groups(const Geometry& g, const BlockCoord& b, F&& f) -> GroupPair<decltype(f(0))> {
+  const auto lo = f(0);
+  return {lo, Straddle && b.lanes_lo < g.vec ? f(1) : lo};
 }
 
 // Per-channel totals of a block, in two steps around a block barrier (the caller's: block_group_partials ends with

@@ -74,9 +74,10 @@ void set_tiles(Geometry& g, int64_t groups) {
   g.tiles = g.G / groups;
 }
 
-// Rows of one (n, tile) over `splits` blocks, each block with the fewest threads that keep its rows per thread.
-void set_splits(Geometry& g, int64_t splits) {
-  const int64_t block_rows_max = std::max<int64_t>(1, kMaxThreads / g.tile_vecs);
+// Rows of one (n, tile) over `splits` blocks, each block with the fewest threads that keep its rows per thread, at
+// most max_threads (rows of tile_vecs threads, one row at least).
+void set_splits(Geometry& g, int64_t splits, int max_threads = kMaxThreads) {
+  const int64_t block_rows_max = std::max<int64_t>(1, max_threads / g.tile_vecs);
   g.splits = splits;
   g.rows_per_block = ceil_div(g.S, splits);
   g.rows_per_thread = ceil_div(g.rows_per_block, std::min(block_rows_max, g.rows_per_block));
@@ -114,7 +115,7 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   const int rows_cap = resident_rows(pass, vec * elem_size, g.straddle);
   const int64_t per_sm = pass == Pass::kForward ? kForwardBlocksPerSm : kBackwardBlocksPerSm;
   auto capacity = [&](const Geometry& s) {  // blocks resident at once
-    const int clusters = s.clustered && s.cluster() > 1 && limits.occupancy != nullptr
+    const int clusters = s.cluster() > 1 && limits.occupancy != nullptr
                              ? limits.occupancy->at(s.cluster(), s.threads())
                              : 0;
     if (clusters > 0) return (int64_t)clusters * s.cluster();
@@ -151,9 +152,10 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   }
   set_tiles(g, groups);
   set_splits(g, 1);
+  const int split_threads = pass == Pass::kBackward ? kBackwardSplitThreads : kMaxThreads;
   while (g.splits < limits.max_cluster && g.rows_per_thread > rows_cap) {
     Geometry next = g;
-    set_splits(next, g.splits * 2);
+    set_splits(next, g.splits * 2, split_threads);
     if (next.blocks() > capacity(next)) break;
     g = next;
   }

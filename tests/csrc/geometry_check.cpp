@@ -70,6 +70,9 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
   if (g.tile_vecs * g.block_rows > gn_patch::kMaxThreads || g.threads() > gn_patch::kMaxThreads ||
       g.threads() % 32 != 0)
     return bad("threads per block");
+  if (pass == Pass::kBackward && g.clustered && g.splits > 1 && g.tile_vecs <= gn_patch::kBackwardSplitThreads &&
+      g.threads() > gn_patch::kBackwardSplitThreads)
+    return bad("backward blocks split over a cluster fit three per SM");
   if (g.splits * g.rows_per_block < g.S) return bad("splits cover every row");
   if ((long long)g.block_rows * g.rows_per_thread < g.rows_per_block) return bad("threads cover the block's rows");
   if (g.blocks() >= (1LL << 31)) return bad("grid size");

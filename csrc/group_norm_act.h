@@ -36,11 +36,11 @@ constexpr int kForwardBlocksPerSm = 3;
 constexpr int kBackwardBlocksPerSm = 2;
 // Threads of a backward block whose rows a cluster splits, at most: blocks of 160 threads fit three per SM under the
 // backward's register cap (65536 / (3 * 128) = 170), 256 fit two, and a cluster's blocks wait for each other at its
-// barrier, so more of them in flight per SM is what hides the memory latency. On the H200 (fp16, forward+backward,
-// inputs in L2): (2, 320, 64, 64) 35.0 -> 33.5 us, (2, 640, 32, 32) 22.4 -> 20.2, (2, 2560, 32, 32) 47.0 -> 42.3,
-// (1, 512, 128, 128) 80.1 -> 74.5. Unsplit blocks (a grid full of (image, tile) pairs) and the unclustered kernels
-// keep kMaxThreads: capped, (16, 640, 32, 32) went 67.0 -> 74.5 and (1, 512, 256, 256) 228 -> 259
-// (benchmarks/NOTES.md, session 19).
+// barrier, so more of them in flight per SM is what hides the memory latency. On the H200 (fp16, backward, inputs in
+// L2): (2, 320, 64, 64) 21.1 -> 18.7 us, (2, 640, 32, 32) 15.1 -> 12.1, (2, 2560, 32, 32) 32.4 -> 26.7,
+// (1, 512, 128, 128) 55.9 -> 49.8. Unsplit blocks (a grid full of (image, tile) pairs) and the unclustered kernels
+// keep kMaxThreads: capped, (16, 640, 32, 32) went 44.2 -> 49.4 and (1, 512, 256, 256) 157 -> 185
+// (benchmarks/results/h200/ab_thread_caps.json, benchmarks/NOTES.md session 19).
 constexpr int kBackwardSplitThreads = kMaxThreads * kBackwardBlocksPerSm / (kBackwardBlocksPerSm + 1) / 32 * 32;
 // Channels of one tile, at most (the backward keeps per-channel sums of a tile in shared memory).
 constexpr int kMaxTileChannels = 1024;

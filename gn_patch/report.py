@@ -73,17 +73,13 @@ class PatchReport:
         )
 
     def __str__(self) -> str:
-        # Kinds name what a GroupNorm was fused with after a "+" ("ResnetBlock2D.norm1+act"); the others run alone
-        # where any output layout serves ("attention.group_norm").
-        fused = sum("+" in kind for _, kind in self.patched)
-        lines = [f"gn_patch: patched {len(self.patched)} GroupNorm(s) ({fused} fused with their activation or "
-                 f"modulation), {len(self.alone)} run alone, "
-                 f"{len(self.already_patched)} already fused, {len(self.skipped)} left as they are; "
+        lines = [f"gn_patch: patched {len(self.patched)} GroupNorm(s), {len(self.alone)} run alone, "
+                 f"{len(self.already_patched)} already patched, {len(self.skipped)} left as they are; "
                  f"{self.channels_last} conv weight(s) made channels-last"
                  + (f", inputs made channels-last at {', '.join(n or '<root>' for n in self.channels_last_inputs)}"
                     if self.channels_last_inputs else "")]
         for title, entries in (("patched", self.patched), ("run alone, not fused", self.alone),
-                               ("already fused", self.already_patched)):
+                               ("already patched", self.already_patched)):
             if entries:
                 lines.append(f"  {title}:")
                 counts = Counter(kind for _, kind in entries)

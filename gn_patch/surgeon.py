@@ -289,7 +289,7 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
             unpatch_model converts the weights back and removes the hooks.
 
     Returns:
-        PatchReport: fused, run alone, already fused and skipped GroupNorms (qualified names), conv weights
+        PatchReport: patched, run alone, already patched and skipped GroupNorms (qualified names), conv weights
         converted and kept, modules whose inputs are made channels-last.
 
     Raises:

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = " (on the CPU both runs take PyTorch's path: no speedup to report)" if on_cpu else \
         f" ({result['speedup']:.3f}x)"
     print(f"stock {result['stock_samples_per_s']:.2f} samples/s, patched {result['patched_samples_per_s']:.2f} "
-          f"samples/s{ratio}; max |loss difference| over the first {COMPARED_STEPS} steps "
+          f"samples/s{ratio}; max |loss difference| over the first {min(COMPARED_STEPS, len(stock['losses']))} steps "
           f"{result[f'max_loss_diff_first_{COMPARED_STEPS}_steps']:.3g}; written to {args.output}")
     return result
 

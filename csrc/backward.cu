@@ -18,7 +18,9 @@
 // whatever the group; a thread's lanes past lanes_lo take the next group's mean, rstd and dx coefficients.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
 // fixed order, unless one cluster holds all the images of a tile (Geometry::images): its first block then sums
-// them through distributed shared memory. No atomics: gradients are bitwise deterministic.
+// them through distributed shared memory. No atomics: gradients are bitwise deterministic. The kernels after the
+// first are launched as dependents of the one before (launch.cuh's programmatic_launch): launched early, they wait
+// for it in wait_for_prerequisite.
 #include "launch.cuh"
 #include "reduce.cuh"
 
@@ -216,6 +218,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   __shared__ float2 block_sums[kMaxTileChannels];  // in a cluster, per tile channel: read by the cluster's blocks
   __shared__ float2 group_coef[kMaxThreads];       // in a cluster, per tile group: the dx coefficients
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
+  let_dependents_launch();  // param_grad_kernel, where it follows
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -324,6 +327,7 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) sums_kernel(const BackwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
   __shared__ float2 items[kMaxThreads * V];
+  let_dependents_launch();  // coefficients_kernel
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -343,6 +347,8 @@ constexpr int kCoefficientThreads = 256;
 
 template <typename T>
 __global__ void coefficients_kernel(const BackwardArgs a) {
+  let_dependents_launch();  // dx_kernel or param_grad_kernel
+  wait_for_prerequisite();
   const Geometry& g = a.geo;
   const int64_t ng = blockIdx.x, n = ng / g.G, group = ng % g.G;
   const float2* partials = reinterpret_cast<const float2*>(a.channel_partials);
@@ -372,7 +378,9 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(const BackwardArgs a) {
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
+  let_dependents_launch();  // param_grad_kernel, where it follows
   if (!b.active) return;  // no barriers in this kernel
+  wait_for_prerequisite();
   const int64_t offset = b.n * g.S * g.C + b.c0;
   const float2* coefficients = reinterpret_cast<const float2*>(a.coefficients) + b.n * g.G + b.group;
   const Coefficients coef = own_groups<Straddle>(g, b, [&](int i) { return coefficients[i]; });
@@ -387,6 +395,7 @@ template <typename P>
 __global__ void param_grad_kernel(const float2* sums, int64_t rows, int64_t C, P* dweight, P* dbias) {
   constexpr int kLanes = 8, kAcc = 4;
   __shared__ float2 smem[kLanes][33];
+  wait_for_prerequisite();
   const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x % 32;
   const int lane = threadIdx.x / 32;
   float2 acc[kAcc];
@@ -412,10 +421,9 @@ __global__ void param_grad_kernel(const float2* sums, int64_t rows, int64_t C, P
 
 template <typename P>
 void launch_param_grad(const BackwardArgs& a, cudaStream_t stream) {
-  const unsigned blocks = (unsigned)((a.geo.C + 31) / 32);
-  param_grad_kernel<P><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(a.param_sums), a.geo.N, a.geo.C,
-                                                    static_cast<P*>(a.dweight), static_cast<P*>(a.dbias));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(param_grad_kernel<P>, (a.geo.C + 31) / 32, 256, 1, /*dependent=*/true, stream,
+         reinterpret_cast<const float2*>(a.param_sums), a.geo.N, a.geo.C, static_cast<P*>(a.dweight),
+         static_cast<P*>(a.dbias));
 }
 
 template <typename T, int V, Act A, bool Straddle>
@@ -425,9 +433,8 @@ void launch_backward_kernels(const BackwardArgs& a, cudaStream_t stream) {
     launch_kernel(backward_kernel<T, V, A, Straddle>, g, stream, a);
   } else {
     launch_kernel(sums_kernel<T, V, A, Straddle>, g, stream, a);
-    coefficients_kernel<T><<<(unsigned)(g.N * g.G), kCoefficientThreads, 0, stream>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A, Straddle>, g, stream, a);
+    launch(coefficients_kernel<T>, g.N * g.G, kCoefficientThreads, 1, /*dependent=*/true, stream, a);
+    if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A, Straddle>, g, stream, a, /*dependent=*/true);
   }
   if (a.param_sums != nullptr) {
     if (a.params_fp32) {
@@ -452,10 +459,10 @@ struct BackwardKernels {
 template <typename T, int V, Act A>
 struct BackwardMaxCluster {
   static int fn() {
-    static std::array<std::atomic<int>, 64> cache{};
+    static std::array<std::atomic<int>, kMaxDevices> cache{};
     const int whole_groups = query_max_cluster(backward_kernel<T, V, A, false>, cache);
     if constexpr (kStraddles<T, V>) {
-      static std::array<std::atomic<int>, 64> straddle_cache{};
+      static std::array<std::atomic<int>, kMaxDevices> straddle_cache{};
       return std::min(whole_groups, query_max_cluster(backward_kernel<T, V, A, true>, straddle_cache));
     }
     return whole_groups;

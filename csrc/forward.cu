@@ -471,7 +471,7 @@ struct ForwardKernels {
 // The clustered kernel's cluster limit, opting it in to large clusters.
 template <typename T, int V, Act A, bool Straddle, bool Offset>
 int forward_kernel_max_cluster() {
-  static std::array<std::atomic<int>, 64> cache{};
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
   return query_max_cluster(forward_kernel<T, V, A, Straddle, Offset>, cache);
 }
 

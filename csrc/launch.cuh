@@ -63,21 +63,87 @@ inline cudaLaunchAttribute cluster_dimension(unsigned size) {
   return cluster;
 }
 
+// Devices the per-device caches below hold.
+constexpr size_t kMaxDevices = 64;
+
+// The current device, an index into this file's per-device caches (`entries` long).
+inline int cached_device(size_t entries) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  TORCH_CHECK(device >= 0 && device < (int)entries, "gn_patch: device index out of range");
+  return device;
+}
+
+// Whether the kernels run on the current device with what reduce.cuh compiles for sm_90 (GN_PATCH_CLUSTERS:
+// distributed shared memory, griddepcontrol): the device has thread-block clusters and `kernel`, like every kernel of
+// this library (one set of -gencode flags), runs code compiled for sm_90 or later. An older PTX compiled just in time
+// for the device (a build for "8.0+PTX" on an H100) leaves them out: its clustered kernels would not combine their
+// blocks' sums, its dependent kernels would not wait. Asked per device once (device and function attributes, which
+// may be asked during a CUDA-graph capture).
+inline bool sm90_features(int device, const void* kernel) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};  // 0: not asked yet, 1: no, 2: yes
+  int known = cache[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+    cudaFuncAttributes attributes = {};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    known = clusters && attributes.ptxVersion >= 90 ? 2 : 1;
+    cache[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 2;
+}
+
+// Programmatic dependent launch (sm_90 on; CUDA 12.3 on, which captures it in CUDA graphs): the backward's second
+// and later kernels are launched as dependents of the kernel before them, so that they are launched while it still
+// runs (let_dependents_launch and wait_for_prerequisite in reduce.cuh) and the launch latency overlaps it. On the
+// H200 (fp16, forward+backward, inputs rotated out of L2): (2, 1280, 8, 8) 11.1 -> 10.6 us, (2, 640, 16, 16) 12.7
+// -> 12.1, (2, 320, 64, 64) 32.4 -> 31.5 (param_grad_kernel after the backward kernel), (1, 512, 256, 256) 227 -> 224
+// (the unclustered chain). The forward's unclustered chain was slower so: (1, 128, 512, 512) 83 -> 91 us
+// (benchmarks/NOTES.md session 20).
+inline bool programmatic_launch(int device, const void* kernel) {
+#if CUDART_VERSION >= 12030
+  return sm90_features(device, kernel);
+#else
+  (void)device;
+  (void)kernel;
+  return false;
+#endif
+}
+
+// The launch attribute of a dependent launch.
+inline cudaLaunchAttribute programmatic_serialization() {
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  return dependent;
+}
+
+// Launches `kernel(args...)` on `grid` blocks of `threads`, as thread-block clusters of `cluster` blocks when > 1, and
+// as a dependent of the stream's previous kernel when `dependent` (and the device supports it).
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), int64_t grid, int threads, int cluster, bool dependent, cudaStream_t stream,
+            Args&&... args) {
+  TORCH_CHECK(grid < (int64_t{1} << 31), "gn_patch: the tensor needs " + std::to_string(grid) +
+                                             " blocks, more than a CUDA grid holds");
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)grid);
+  config.blockDim = dim3((unsigned)threads);
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  if (cluster > 1) attrs[config.numAttrs++] = cluster_dimension((unsigned)cluster);
+  if (dependent && programmatic_launch(cached_device(kMaxDevices), reinterpret_cast<const void*>(kernel))) {
+    attrs[config.numAttrs++] = programmatic_serialization();
+  }
+  config.attrs = attrs;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // Launches `kernel(args)` over the geometry's grid, as thread-block clusters of g.cluster() blocks when > 1.
 template <typename Args>
-void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream, const Args& args) {
-  TORCH_CHECK(g.blocks() < (int64_t{1} << 31), "gn_patch: the tensor needs " + std::to_string(g.blocks()) +
-                                                  " blocks, more than a CUDA grid holds");
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)g.blocks());
-  config.blockDim = dim3((unsigned)g.threads());
-  config.stream = stream;
-  cudaLaunchAttribute cluster = cluster_dimension((unsigned)g.cluster());
-  if (g.cluster() > 1) {
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
+void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream, const Args& args,
+                   bool dependent = false) {
+  launch(kernel, g.blocks(), g.threads(), g.cluster(), dependent, stream, args);
 }
 
 // Straddling geometries exist for 16-byte vectors of 16-bit types only (straddling_vec): the kernels are
@@ -91,14 +157,6 @@ inline void check_straddling_kernels(const Geometry& g, ScalarKind dtype) {
               "gn_patch: straddling geometry for vectors without straddling kernels");
 }
 
-// The current device, an index into the per-device caches below (`entries` long).
-inline int cached_device(size_t entries) {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  TORCH_CHECK(device >= 0 && device < (int)entries, "gn_patch: device index out of range");
-  return device;
-}
-
 // Whether the current stream is capturing a CUDA graph: the kernels' opt-ins and occupancy queries are not made then.
 inline bool capturing() {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -110,13 +168,12 @@ inline bool capturing() {
 // kMaxThreads threads; 1 without cluster support. Opts the kernel in to non-portable sizes (> 8) where the
 // device schedules them. `cache` holds one entry per device (0: not queried yet).
 template <typename Args>
-int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, 64>& cache) {
+int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, kMaxDevices>& cache) {
   const int device = cached_device(cache.size());
   const int cached = cache[device].load(std::memory_order_relaxed);
   if (cached > 0) return cached;
-  if (capturing()) return 8;  // portable clusters until asked outside a capture
-  int supported = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device));
+  const bool supported = sm90_features(device, reinterpret_cast<const void*>(kernel));
+  if (supported && capturing()) return 8;  // portable clusters until asked outside a capture
   int result = 1;
   if (supported) {
     result = 8;  // every sm_90 device schedules clusters of 8 ("portable")
@@ -141,8 +198,8 @@ int query_max_cluster(void (*kernel)(Args), std::array<std::atomic<int>, 64>& ca
 // One kernel's ClusterOccupancy per device, filled once.
 struct OccupancyCache {
   std::mutex mutex;
-  std::array<std::atomic<bool>, 64> ready{};
-  std::array<ClusterOccupancy, 64> tables{};
+  std::array<std::atomic<bool>, kMaxDevices> ready{};
+  std::array<ClusterOccupancy, kMaxDevices> tables{};
 };
 
 // `kernel`'s ClusterOccupancy on the current device for clusters of up to max_cluster blocks (query_max_cluster's,

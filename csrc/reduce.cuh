@@ -212,4 +212,24 @@ __device__ __forceinline__ void cluster_wait(int cluster) {
 #endif
 }
 
+// Programmatic dependent launch (launch.cuh's `dependent`): the next kernel of the pass may be launched once every
+// block of this grid has executed this; its blocks then become resident and wait in wait_for_prerequisite. Called
+// first thing: by the time every block of the grid has called it, the last of them has been scheduled, so the
+// waiting blocks never hold an SM this grid still needs. Without a dependent kernel: no effect.
+__device__ __forceinline__ void let_dependents_launch() {
+#if GN_PATCH_CLUSTERS
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// A kernel launched as a dependent waits here, before it reads what the kernel before it wrote, until that kernel
+// has completed and its writes are visible (which holds for the kernels before it too: each waited for its own).
+// What kernels before the pass's first kernel wrote (x, dy, the parameters) may be read before it. Returns at once
+// in a kernel not launched as a dependent.
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if GN_PATCH_CLUSTERS
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace gn_patch

@@ -6,6 +6,10 @@ NaN/inf propagation, and composability (compile, export, CUDA graphs).
 Outputs are NaN-poisoned before every call (see `poisoned`), inputs are random (3 * randn + 1)."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from .conftest import TOLERANCES
 from .reference import assert_close, assert_same_nonfinite, random_input, reference, reference_grads
 
 pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -672,6 +677,49 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     assert_close(static_y, reference(static_x, groups, module.weight, module.bias, 1e-5, "silu"),
                  **TOLERANCES[torch.float16], what="replayed y")
+
+
+FIRST_CALLS_IN_CAPTURE = """
+import sys
+import torch
+from tests.conftest import TOLERANCES
+from tests.reference import assert_close, random_input
+import gn_patch.extension
+
+assert gn_patch.extension.kernels_available()
+FORWARD, BACKWARD = torch.ops.gn_patch.group_norm_act.default, torch.ops.gn_patch.group_norm_act_backward.default
+tol = TOLERANCES[torch.float16]
+cases = []
+for shape in [(2, 320, 32, 32), (2, 1280, 8, 8), (1, 64, 512, 512)]:
+    x, dy = random_input(shape, torch.float16, "cuda"), random_input(shape, torch.float16, "cuda", scale=1.0, seed=5)
+    w, b = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
+    cases.append((x, w, b, dy))
+
+def run(x, w, b, dy):
+    y, mean, rstd = FORWARD(x, w, b, None, None, 32, 1e-5, "silu")
+    return (y,) + BACKWARD(dy, x, w, b, None, None, mean, rstd, 32, "silu", [True, True, True, False, False])[:3]
+
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):  # the kernels' first launches, cluster and occupancy queries happen here
+    captured = [run(*case) for case in cases]
+graph.replay()
+for case, outputs in zip(cases, captured):
+    for name, got, want in zip(("y", "dx", "dweight", "dbias"), outputs, run(*case)):
+        scale = max(want.abs().max().item(), 1.0)
+        assert_close(got, want, atol=tol["atol"] * scale, rtol=tol["rtol"], what=f"{name} {tuple(case[0].shape)}")
+print("ok")
+"""
+
+
+def test_first_calls_inside_capture():
+    """A process whose first forward and backward calls are captured in a CUDA graph (the kernels' first launches,
+    the device and function queries they make then, dependent launches) replays what the same calls compute
+    eagerly afterwards: clustered, unclustered and N > 1 parameter-gradient geometries."""
+    # The gn_patch this process imported (a checkout or an installed wheel), and tests/ beside it.
+    path = os.pathsep.join([str(Path(gn_patch.__file__).parents[1]), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", FIRST_CALLS_IN_CAPTURE], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "PYTHONPATH": path})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // Invariants of the block geometries (csrc/geometry.cpp) over a sweep of shapes, dtypes, alignments, passes and
 // cluster limits; prints the first violation and exits 1, else prints how many geometries it checked. Built and
 // run by tests/test_geometry.py (host C++ only).
+#include <algorithm>
 #include <cstdio>
 #include <initializer_list>
 
@@ -74,6 +75,10 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
       g.threads() > gn_patch::kBackwardSplitThreads)
     return bad("backward blocks split over a cluster fit three per SM");
   if (g.splits * g.rows_per_block < g.S) return bad("splits cover every row");
+  if (g.clustered && g.splits > 1) {  // rows per thread of the same tile unsplit, in blocks of up to kMaxThreads
+    const long long unsplit_rows = std::min<long long>(std::max(1, gn_patch::kMaxThreads / g.tile_vecs), g.S);
+    if (g.rows_per_thread >= (g.S + unsplit_rows - 1) / unsplit_rows) return bad("a split lowers rows per thread");
+  }
   if ((long long)g.block_rows * g.rows_per_thread < g.rows_per_block) return bad("threads cover the block's rows");
   if (g.blocks() >= (1LL << 31)) return bad("grid size");
   if (g.clustered) {

@@ -86,8 +86,9 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
       return bad("cluster: a power of two within the limit");
     if (g.images != 1 && (g.images != g.N || pass != Pass::kBackward))
       return bad("clusters span all the images of a tile, in the backward only");
-    if (occupancy != nullptr && g.cluster() > 1 && g.blocks() > occupancy->at(g.cluster(), g.threads()) * g.cluster())
-      return bad("a grid of clusters runs in one wave");
+    // An entry of 0 is unknown (a refused query): the geometry then counts SMs x blocks per SM instead.
+    const int clusters = occupancy != nullptr && g.cluster() > 1 ? occupancy->at(g.cluster(), g.threads()) : 0;
+    if (clusters > 0 && g.blocks() > (long long)clusters * g.cluster()) return bad("a grid of clusters runs in one wave");
   } else if (g.resident) {
     return bad("unclustered geometries stream their rows");
   }

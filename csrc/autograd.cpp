@@ -132,6 +132,9 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["activation"] = std::string(activation);
     ctx->mark_non_differentiable({mean, rstd});
+    // mean and rstd never receive a gradient: materialised, each would cost a zeros tensor (an allocation and a
+    // fill kernel) per backward call. An undefined grad of y is handled in backward.
+    ctx->set_materialize_grads(false);
     return {y, mean, rstd};
   }
 

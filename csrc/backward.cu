@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   __shared__ float2 block_sums[kMaxTileChannels];  // in a cluster, per tile channel: read by the cluster's blocks
   __shared__ float2 group_coef[kMaxThreads];       // in a cluster, per tile group: the dx coefficients
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
-  let_dependents_launch();  // param_grad_kernel, where it follows
+  if (a.param_sums != nullptr) let_dependents_launch();  // param_grad_kernel
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -347,7 +347,7 @@ constexpr int kCoefficientThreads = 256;
 
 template <typename T>
 __global__ void coefficients_kernel(const BackwardArgs a) {
-  let_dependents_launch();  // dx_kernel or param_grad_kernel
+  if (a.dx != nullptr || a.param_sums != nullptr) let_dependents_launch();  // dx_kernel or param_grad_kernel
   wait_for_prerequisite();
   const Geometry& g = a.geo;
   const int64_t ng = blockIdx.x, n = ng / g.G, group = ng % g.G;
@@ -378,7 +378,7 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(const BackwardArgs a) {
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
-  let_dependents_launch();  // param_grad_kernel, where it follows
+  if (a.param_sums != nullptr) let_dependents_launch();  // param_grad_kernel
   if (!b.active) return;  // no barriers in this kernel
   wait_for_prerequisite();
   const int64_t offset = b.n * g.S * g.C + b.c0;

@@ -101,9 +101,16 @@ inline bool sm90_features(int device, const void* kernel) {
 // -> 12.1, (2, 320, 64, 64) 32.4 -> 31.5 (param_grad_kernel after the backward kernel), (1, 512, 256, 256) 227 -> 224
 // (the unclustered chain). The forward's unclustered chain was slower so: (1, 128, 512, 512) 83 -> 91 us
 // (benchmarks/NOTES.md session 20).
+// The toolkit that compiled the kernels may be newer than the CUDA runtime they run with (torch's) or the driver
+// (kernels built with 12.4 against a 12.1 runtime, or run on a 12.2 driver): both are asked too, once.
 inline bool programmatic_launch(int device, const void* kernel) {
 #if CUDART_VERSION >= 12030
-  return sm90_features(device, kernel);
+  static const bool runtime_and_driver = [] {
+    int runtime = 0, driver = 0;
+    return cudaRuntimeGetVersion(&runtime) == cudaSuccess && cudaDriverGetVersion(&driver) == cudaSuccess &&
+           runtime >= 12030 && driver >= 12030;
+  }();
+  return runtime_and_driver && sm90_features(device, kernel);
 #else
   (void)device;
   (void)kernel;

@@ -215,7 +215,9 @@ __device__ __forceinline__ void cluster_wait(int cluster) {
 // Programmatic dependent launch (launch.cuh's `dependent`): the next kernel of the pass may be launched once every
 // block of this grid has executed this; its blocks then become resident and wait in wait_for_prerequisite. Called
 // first thing: by the time every block of the grid has called it, the last of them has been scheduled, so the
-// waiting blocks never hold an SM this grid still needs. Without a dependent kernel: no effect.
+// waiting blocks never hold an SM this grid still needs. Called only where one of ours follows: another library's
+// kernel launched as a dependent after ours would otherwise be let in early (correct, if it waits as it must, but
+// holding SMs from the start).
 __device__ __forceinline__ void let_dependents_launch() {
 #if GN_PATCH_CLUSTERS
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -436,6 +436,18 @@ def test_kernel_path_scale_shift_gradients(kernel_path_on_cpu):
         assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
 
 
+def test_backward_makes_no_zero_gradients_for_the_statistics(kernel_path_on_cpu):
+    """mean and rstd are outputs without a gradient: the backward fills no zeros tensors for them (on CUDA each
+    would be an allocation and a kernel per call)."""
+    fused, _, x = _stock_and_fused()
+    y = fused(x.requires_grad_(True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y.backward(torch.randn_like(y))
+    names = {e.name for e in prof.events()}
+    assert "gn_patch::group_norm_act_backward" in names, names
+    assert "aten::zeros" not in names  # autograd materialises an absent output gradient with at::zeros
+
+
 def test_nchw_input_takes_pytorch_path_even_when_emulating(kernel_path_on_cpu):
     fused, stock, x = _stock_and_fused()
     x = x.contiguous()

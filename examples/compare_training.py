@@ -30,6 +30,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -53,9 +54,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                             "--fsdp2) go to both runs of examples/train_text_to_image.py; its --help "
                                             "lists them.")
     parser.add_argument("--output", type=Path, default=Path("training.json"), help="result JSON (default: %(default)s)")
-    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gn_patch_compare_training"),
-                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched "
-                             "(default: %(default)s)")
+    parser.add_argument("--work-dir", type=Path,
+                        help="checkpoints and per-run logs go to WORK_DIR/stock and WORK_DIR/patched (default: a new "
+                             "folder in the system's temporary directory, printed; kept after the run)")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--one-gpu-json", type=Path,
                         help="this script's output for the same configuration on one GPU, to compute the scaling")
@@ -66,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--max-train-steps", type=int, default=50)
     parser.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16")
     return parser.parse_known_args(argv)
+
+
+def new_work_dir() -> Path:
+    """A new folder in the system's temporary directory: one per call, so that two users, or two calls at once,
+    never write their checkpoints over each other's."""
+    return Path(tempfile.mkdtemp(prefix="gn_patch_compare_training_"))
 
 
 def launcher(num_processes: int, fsdp2: bool) -> list[str]:
@@ -141,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "--fsdp2" in extra and not torch.cuda.is_available():  # before torchrun, whose traceback would bury it
         raise SystemExit("--fsdp2 needs CUDA GPUs: accelerate shards only under a distributed GPU launch")
     one_gpu = json.loads(args.one_gpu_json.read_text()) if args.one_gpu_json else None
+    if args.work_dir is None:
+        args.work_dir = new_work_dir()
+        print(f"checkpoints and per-run logs: {args.work_dir}", flush=True)
     stock, patched = train(args, extra, patched=False), train(args, extra, patched=True)
     result = summarize(stock, patched, args.commit or commit_id(REPO))
     if one_gpu is not None:

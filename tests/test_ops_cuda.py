@@ -716,7 +716,8 @@ def test_first_calls_inside_capture():
     the device and function queries they make then, dependent launches) replays what the same calls compute
     eagerly afterwards: clustered, unclustered and N > 1 parameter-gradient geometries."""
     # The gn_patch this process imported (a checkout or an installed wheel), and tests/ beside it.
-    path = os.pathsep.join([str(Path(gn_patch.__file__).parents[1]), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join(filter(None, [str(Path(gn_patch.__file__).parents[1]), str(ROOT),
+                                         os.environ.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", FIRST_CALLS_IN_CAPTURE], cwd=ROOT, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "PYTHONPATH": path})
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr

@@ -229,7 +229,7 @@ print(len(stock), "norm parameters")
 def test_norm_only_fine_tuning_of_a_patched_unet(host_path):
     """Freeze all but the GroupNorms, train on the CPU (fp32): the patched model runs forward and backward (in a
     subprocess: a crash in PyTorch fails the test instead of killing pytest) and its gradients are stock's."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, "-c", NORM_ONLY_FINE_TUNING, host_path], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"exit status {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"

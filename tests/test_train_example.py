@@ -152,6 +152,15 @@ def test_launchers():
         assert launcher(2, fsdp2)[1:] == ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
 
 
+def test_default_work_dirs_are_new_folders():
+    compare_training = load_compare_training()
+    assert compare_training.parse_args([])[0].work_dir is None
+    first, second = compare_training.new_work_dir(), compare_training.new_work_dir()
+    assert first != second and first.is_dir() and second.is_dir() and not any(first.iterdir())
+    first.rmdir()
+    second.rmdir()
+
+
 def test_scaling_against_one_gpu_result():
     compare_training = load_compare_training()
     config = {"resolution": 512, "train_batch_size": 8, "mixed_precision": "bf16", "gn_patch": {"fused": {}}}

@@ -109,15 +109,23 @@ at::Tensor pytorch_path(const at::Tensor& x, int64_t num_groups, const OptTensor
   return apply_activation(y, act);
 }
 
+// The Function's one output is y. mean and rstd, which have no gradient, are handed out through `statistics` beside
+// it: as outputs of the Function they would have to be marked non-differentiable, which compiled autograd
+// (torch._dynamo's, for torch.compile'd training) refuses in a C++ Function; as the op's outputs they are plain
+// tensors that require no gradient, as they were.
+using Statistics = std::array<at::Tensor, 2>;
+
 class GroupNormActFunction : public torch::autograd::Function<GroupNormActFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptTensor& weight,
                                const OptTensor& bias, const OptTensor& scale, const OptTensor& shift,
-                               int64_t num_groups, double eps, c10::string_view activation, bool frames_last) {
+                               int64_t num_groups, double eps, c10::string_view activation, bool frames_last,
+                               Statistics* statistics) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // With frames_last, y's layout differs from x's: the backward op takes the gradient in x's layout (a copy).
     auto [y, mean, rstd] = forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, std::nullopt,
                                              std::nullopt, frames_last);
+    *statistics = {mean, rstd};
     // Only the tensors given are saved (undefined entries did not survive AOT tracing's saved-tensor handling);
     // the mask records which.
     variable_list saved = {x, mean, rstd};
@@ -131,11 +139,9 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
     ctx->saved_data["num_groups"] = num_groups;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["activation"] = std::string(activation);
-    ctx->mark_non_differentiable({mean, rstd});
-    // mean and rstd never receive a gradient: materialised, each would cost a zeros tensor (an allocation and a
-    // fill kernel) per backward call. An undefined grad of y is handled in backward.
+    // An undefined gradient of y (possible since autograd may skip it) is handled in backward, not made zeros.
     ctx->set_materialize_grads(false);
-    return {y, mean, rstd};
+    return {y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -155,7 +161,7 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
       if (params[i]) mask[i + 1] = ctx->needs_input_grad(edge++);
     }
     const at::Tensor& grad_y = grads[0];
-    variable_list result(9);
+    variable_list result(10);  // one per argument of forward
     if (!grad_y.defined()) return result;
     if (at::GradMode::is_enabled()) {
       // create_graph=True (double backward, gradient penalties): the gradients must themselves be differentiable.
@@ -220,9 +226,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
     return group_norm_act_autograd(with_input_terms(x, input_offset, input_bias), weight, bias, scale, shift,
                                    num_groups, eps, activation, std::nullopt, std::nullopt, frames_last);
   }
-  const variable_list out =
-      GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation, frames_last);
-  return {out[0], out[1], out[2]};
+  Statistics statistics;
+  const variable_list out = GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation,
+                                                        frames_last, &statistics);
+  return {out[0], statistics[0], statistics[1]};
 }
 
 // Tests route channels-last CPU inputs to the op's CPU implementation as if it were the CUDA kernels, so that the

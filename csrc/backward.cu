@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   __shared__ float2 block_sums[kMaxTileChannels];  // in a cluster, per tile channel: read by the cluster's blocks
   __shared__ float2 group_coef[kMaxThreads];       // in a cluster, per tile group: the dx coefficients
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
-  if (a.param_sums != nullptr) let_dependents_launch();  // param_grad_kernel
+  if (a.dependent_follows) let_dependents_launch();
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -327,7 +327,7 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) sums_kernel(const BackwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
   __shared__ float2 items[kMaxThreads * V];
-  let_dependents_launch();  // coefficients_kernel
+  if (a.dependent_follows) let_dependents_launch();
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -347,7 +347,7 @@ constexpr int kCoefficientThreads = 256;
 
 template <typename T>
 __global__ void coefficients_kernel(const BackwardArgs a) {
-  if (a.dx != nullptr || a.param_sums != nullptr) let_dependents_launch();  // dx_kernel or param_grad_kernel
+  if (a.dependent_follows) let_dependents_launch();
   wait_for_prerequisite();
   const Geometry& g = a.geo;
   const int64_t ng = blockIdx.x, n = ng / g.G, group = ng % g.G;
@@ -378,7 +378,7 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(const BackwardArgs a) {
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
-  if (a.param_sums != nullptr) let_dependents_launch();  // param_grad_kernel
+  if (a.dependent_follows) let_dependents_launch();
   if (!b.active) return;  // no barriers in this kernel
   wait_for_prerequisite();
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -426,17 +426,25 @@ void launch_param_grad(const BackwardArgs& a, cudaStream_t stream) {
          static_cast<P*>(a.dbias));
 }
 
+// The pass's kernels in order, each after the first launched as a dependent of the one before; each kernel's
+// arguments say whether one follows (BackwardArgs::dependent_follows).
 template <typename T, int V, Act A, bool Straddle>
-void launch_backward_kernels(const BackwardArgs& a, cudaStream_t stream) {
-  const Geometry& g = a.geo;
+void launch_backward_kernels(const BackwardArgs& args, cudaStream_t stream) {
+  const Geometry& g = args.geo;
+  const bool param_grads = args.param_sums != nullptr;  // param_grad_kernel comes last
+  BackwardArgs a = args;
   if (g.clustered) {
+    a.dependent_follows = param_grads;
     launch_kernel(backward_kernel<T, V, A, Straddle>, g, stream, a);
   } else {
+    a.dependent_follows = true;
     launch_kernel(sums_kernel<T, V, A, Straddle>, g, stream, a);
+    a.dependent_follows = a.dx != nullptr || param_grads;
     launch(coefficients_kernel<T>, g.N * g.G, kCoefficientThreads, 1, /*dependent=*/true, stream, a);
+    a.dependent_follows = param_grads;
     if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A, Straddle>, g, stream, a, /*dependent=*/true);
   }
-  if (a.param_sums != nullptr) {
+  if (param_grads) {
     if (a.params_fp32) {
       launch_param_grad<float>(a, stream);
     } else {

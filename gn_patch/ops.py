@@ -235,10 +235,10 @@ def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activat
 
 
 def _grad_outputs(x, weight, bias, scale, shift, output_mask):
-    """The backward op's outputs, empty: like their input where requested and present, else (0,)."""
-    none = x.new_empty((0,))
-    grads = [torch.empty_like(x) if output_mask[0] else none]
-    grads += [t.new_empty(t.shape) if needed and t is not None else none  # dense, whatever t's strides
+    """The backward op's outputs, empty: like their input where requested and present, else (0,), each its own
+    tensor (outputs of a custom op may not alias each other)."""
+    grads = [torch.empty_like(x) if output_mask[0] else x.new_empty((0,))]
+    grads += [t.new_empty(t.shape) if needed and t is not None else x.new_empty((0,))  # dense, whatever t's strides
               for t, needed in zip((weight, bias, scale, shift), output_mask[1:])]
     return tuple(grads)
 
@@ -303,6 +303,19 @@ def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, ac
     return y, mean, rstd
 
 
+# name -> (grad of the activation's output, its input u) -> grad of u: the backward ops PyTorch's autograd formulas
+# call (tools/autograd/derivatives.yaml). Called directly rather than through torch.autograd.grad, which records
+# nothing where this runs below the autograd key (compiled autograd runs the op's backward there).
+_ACTIVATION_BACKWARDS = {
+    "identity": lambda grad, u: grad,
+    "silu": torch.ops.aten.silu_backward,
+    "gelu": lambda grad, u: torch.ops.aten.gelu_backward(grad, u),
+    "gelu_tanh": lambda grad, u: torch.ops.aten.gelu_backward(grad, u, approximate="tanh"),
+    "relu": lambda grad, u: torch.ops.aten.threshold_backward(grad, F.relu(u), 0),
+    "mish": torch.ops.aten.mish_backward,
+}
+
+
 @torch.library.impl("gn_patch::group_norm_act_backward", "CPU")
 def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, mean, rstd, num_groups, activation,
                                        output_mask):
@@ -316,9 +329,8 @@ def _group_norm_act_backward_reference(grad_out, x, weight, bias, scale, shift, 
     xhat = _normalized(x, mean, rstd, num_groups)
     m = _modulation(x, scale)
     v = _affine(xhat, weight, bias)
-    with torch.enable_grad():  # du = dy * act'(u), through PyTorch's own activation backward
-        u = _modulated(v, m, shift).detach().requires_grad_(True)
-        (du,) = torch.autograd.grad(ACTIVATIONS[canonical_activation(activation)](u), u, grad_out.to(u.dtype))
+    u = _modulated(v, m, shift)
+    du = _ACTIVATION_BACKWARDS[canonical_activation(activation)](grad_out.to(u.dtype), u)
     spatial = list(range(2, x.dim()))
     per_sample = lambda t: t.sum(spatial) if spatial else t
     dv = du if m is None else du * m

@@ -275,6 +275,20 @@ def test_opcheck(ext):
     torch.library.opcheck(OP, (x, w, b, scale, None, 2, 1e-6, "identity"))
 
 
+@pytest.mark.parametrize("output_mask", [[True, False, False, False, False], [False, True, True, False, False],
+                                         [True, True, True, True, True], [False] * 5])
+def test_opcheck_backward(ext, output_mask):
+    """The backward op's schema, fake function and CPU implementation agree, outputs not asked for included (each
+    its own empty tensor: outputs of a custom op may not alias each other)."""
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+    w, b = affine(8)
+    scale, shift = modulation(2, 8)
+    _, mean, rstd = OP(x, w, b, scale, shift, 4, 1e-5, "silu")
+    dy = random_input((2, 8, 3, 3), torch.float32, "cpu", seed=5)
+    torch.library.opcheck(torch.ops.gn_patch.group_norm_act_backward.default,
+                          (dy, x, w, b, scale, shift, mean, rstd, 4, "silu", output_mask))
+
+
 @pytest.mark.parametrize("shape,fmt", [((2, 8, 4, 4), torch.channels_last), ((2, 8, 2, 4, 4), torch.channels_last_3d),
                                        ((2, 8, 4, 4), torch.contiguous_format)])
 def test_fake_keeps_the_layout(shape, fmt):
@@ -448,11 +462,6 @@ def test_backward_makes_no_zero_gradients_for_the_statistics(kernel_path_on_cpu)
     assert "aten::zeros" not in names  # autograd materialises an absent output gradient with at::zeros
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="compiled autograd refuses a C++ torch::autograd::Function that marks outputs "
-                          "non-differentiable (csrc/autograd.cpp marks mean and rstd); the fix, mean and rstd handed "
-                          "out beside the Function's one output, is in benchmarks/NOTES.md session 21, to land with "
-                          "its GPU run")
 def test_compiled_autograd_backward_of_an_eager_forward(kernel_path_on_cpu):
     """torch.compile'd backward with compiled autograd over an eager forward: the kernel path's autograd node is
     compiled with the rest, and its gradients are stock's."""
@@ -465,6 +474,31 @@ def test_compiled_autograd_backward_of_an_eager_forward(kernel_path_on_cpu):
         torch.compile(lambda: loss.backward(), backend="eager")()
     assert_close(x_fused.grad, x_stock.grad, atol=1e-4, rtol=1e-4, what="grad")
     assert_close(fused.weight.grad, stock[0].weight.grad, atol=1e-4, rtol=1e-4, what="grad")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu", "mish", "identity"])
+def test_compiled_autograd_over_a_compiled_training_step(kernel_path_on_cpu, activation):
+    """A training step compiled whole (forward and backward in one torch.compile'd function) with compiled autograd:
+    the kernel path's backward runs below the autograd key there, and its gradients are stock's for every
+    activation."""
+    fused, _, x = _stock_and_fused()
+    fused.activation = activation
+    stock = torch.nn.GroupNorm(fused.num_groups, fused.num_channels)
+    stock.load_state_dict(fused.state_dict())
+    act = gn_patch.ops.ACTIVATIONS[activation]
+    x_stock, x_fused = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    act(stock(x_stock)).square().sum().backward()
+
+    def step():
+        fused(x_fused).square().sum().backward()
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(compiled_autograd=True), _records_op_calls() as prof:
+        torch.compile(step, backend="aot_eager")()
+    assert "gn_patch::group_norm_act_backward" in {e.name for e in prof.events()}
+    assert_close(x_fused.grad, x_stock.grad, atol=1e-4, rtol=1e-4, what="grad")
+    assert_close(fused.weight.grad, stock.weight.grad, atol=1e-4, rtol=1e-4, what="grad")
+    assert_close(fused.bias.grad, stock.bias.grad, atol=1e-4, rtol=1e-4, what="grad")
 
 
 def test_nchw_input_takes_pytorch_path_even_when_emulating(kernel_path_on_cpu):

@@ -638,6 +638,45 @@ def test_compile_fullgraph_inductor(dynamic):
         torch.testing.assert_close(gs, s.grad)
 
 
+@pytest.mark.parametrize("whole_step", [False, True], ids=["eager_forward", "compiled_step"])
+@pytest.mark.parametrize("shape", [(2, 1280, 8, 8), (2, 320, 64, 64)])
+def test_compiled_autograd(shape, whole_step):
+    """Compiled autograd (torch._dynamo's, for torch.compile'd training): a backward compiled over an eager forward,
+    and a training step compiled whole; the kernels' gradients as in eager mode."""
+    module = gn_patch.GroupNormAct(32, shape[1]).cuda()
+    x = random_input(shape, torch.float16, "cuda").requires_grad_(True)
+    module(x).float().square().sum().backward()
+    want = [t.grad.clone() for t in (x, module.weight, module.bias)]
+    x.grad = module.weight.grad = module.bias.grad = None
+
+    def step():
+        module(x).float().square().sum().backward()
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        if whole_step:
+            torch.compile(step, backend="aot_eager")()  # AOT's tracing of both passes; Inductor adds no new path
+        else:
+            loss = module(x).float().square().sum()
+            torch.compile(lambda: loss.backward(), backend="aot_eager")()
+    for got, expected in zip((x.grad, module.weight.grad, module.bias.grad), want):
+        torch.testing.assert_close(got, expected)
+
+
+def test_opcheck_cuda():
+    """Schema, fake functions and CUDA kernels of both ops agree (torch.library.opcheck), at a clustered and an
+    unclustered geometry, with outputs of the backward not asked for."""
+    for shape in [(2, 64, 9, 9), (1, 256, 96, 96)]:
+        x = random_input(shape, torch.float16, "cuda").requires_grad_(True)
+        w, b = (t.requires_grad_(True) for t in affine(shape[1], torch.float32))
+        torch.library.opcheck(OP, (x, w, b, None, None, 32, 1e-5, "silu"))
+        _, mean, rstd = OP(x, w, b, None, None, 32, 1e-5, "silu")
+        dy = random_input(shape, torch.float16, "cuda", scale=1.0, seed=5)
+        for mask in ([True, True, True, False, False], [False, True, False, False, False]):
+            torch.library.opcheck(torch.ops.gn_patch.group_norm_act_backward.default,
+                                  (dy, x.detach(), w.detach(), b.detach(), None, None, mean, rstd, 32, "silu", mask))
+
+
 def test_compiled_cat_of_one_tensor():
     """Inductor lowers torch.cat([t, t]) of a channels-last t to an NCHW copy: the op computes it."""
     module = gn_patch.GroupNormAct(32, 128).cuda().half()

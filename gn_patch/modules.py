@@ -79,9 +79,9 @@ class GroupNormAct(nn.GroupNorm):
                                input_offset, input_bias, bool(frames_last))
 
     def __prepare_scriptable__(self):
-        raise RuntimeError("GroupNormAct does not support TorchScript (torch.jit.script cannot compile its forward, "
-                           "Python that calls gn_patch's custom op once the CUDA extension is loaded, PyTorch's "
-                           "ops before): use torch.compile, torch.export or torch.jit.trace")
+        raise RuntimeError("GroupNormAct does not support TorchScript: torch.jit.script cannot compile its forward, "
+                           "a Python function that calls gn_patch's custom op (PyTorch's ops until the CUDA extension "
+                           "is loaded). Use torch.compile, torch.export or torch.jit.trace")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"

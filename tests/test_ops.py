@@ -470,10 +470,43 @@ def test_compiled_autograd_backward_of_an_eager_forward(kernel_path_on_cpu):
     stock(x_stock).square().sum().backward()
     loss = fused(x_fused).square().sum()
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(compiled_autograd=True):
+    with torch._dynamo.config.patch(compiled_autograd=True), _records_op_calls() as prof:
         torch.compile(lambda: loss.backward(), backend="eager")()
+    assert "gn_patch::group_norm_act_backward" in {e.name for e in prof.events()}
     assert_close(x_fused.grad, x_stock.grad, atol=1e-4, rtol=1e-4, what="grad")
     assert_close(fused.weight.grad, stock[0].weight.grad, atol=1e-4, rtol=1e-4, what="grad")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_autograd_with_modulation_input_terms_and_frozen_inputs(kernel_path_on_cpu, backend):
+    """Compiled autograd over a compiled step whose norm has a per-sample scale and shift and an input offset and
+    bias, without affine parameters, where only some inputs need a gradient; then the same compiled step again on
+    new values (no stale graph): the gradients are PyTorch's."""
+    fused = gn_patch.GroupNormAct(4, 8, affine=False)
+    gen = torch.Generator().manual_seed(3)
+    frozen_scale = torch.randn(2, 8, generator=gen)
+
+    def inputs():
+        x = torch.randn(2, 8, 3, 3, generator=gen).to(memory_format=torch.channels_last).requires_grad_(True)
+        shift, offset, bias = (torch.randn(*shape, generator=gen).requires_grad_(True)
+                               for shape in ((2, 8), (2, 8, 1, 1), (8,)))
+        return x, shift, offset, bias
+
+    def step(x, shift, offset, bias):
+        fused(x, frozen_scale, shift, input_offset=offset, input_bias=bias).square().sum().backward()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend)
+    for _ in range(2):
+        got = inputs()
+        want = [t.detach().clone().requires_grad_(True) for t in got]
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            compiled(*got)
+        x, shift, offset, bias = want
+        u = F.group_norm((x + bias.view(1, 8, 1, 1)) + offset, 4) * (1 + frozen_scale[:, :, None, None])
+        F.silu(u + shift[:, :, None, None]).square().sum().backward()
+        for g, w in zip(got, want):
+            assert_close(g.grad, w.grad, atol=1e-4, rtol=1e-4, what="grad")
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu", "mish", "identity"])

@@ -78,6 +78,14 @@ void check_values_per_group(const at::Tensor& x, int64_t num_groups) {
 
 bool needs_grad(const OptTensor& t) { return t.has_value() && t->requires_grad(); }
 
+// A torch.func transform (vmap, grad, jvp, ...) wraps t: functorch cannot be asked for its per-sample layout, nor copy
+// it to channels-last ("NYI: ... inside vmap").
+bool functorch_wrapped(const at::Tensor& t) {
+  static const c10::DispatchKeySet functorch({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                              c10::DispatchKey::BatchedNestedTensor});
+  return t.key_set().has_any(functorch);
+}
+
 // at::group_norm, steered around two faults of PyTorch's GroupNorm backward: a SIGSEGV of the CPU kernel (torch
 // 2.13) for channels-last input when the input needs no gradient but the weight or bias does (norm-only
 // fine-tuning of a channels-last model: the first norm's input comes from a frozen conv), and "tensor does not have
@@ -89,7 +97,7 @@ at::Tensor safe_group_norm(const at::Tensor& x, int64_t num_groups, const OptTen
   const bool training = at::GradMode::is_enabled(), cpu_training = x.is_cpu() && training;
   const OptTensor w = training && !weight.has_value() && needs_grad(bias) ? OptTensor(at::ones_like(*bias)) : weight;
   const bool crashing_backward = cpu_training && !x.requires_grad() && (needs_grad(weight) || needs_grad(bias)) &&
-                                 x.suggest_memory_format() != at::MemoryFormat::Contiguous;
+                                 !functorch_wrapped(x) && x.suggest_memory_format() != at::MemoryFormat::Contiguous;
   const bool cudnn = at::globalContext().userEnabledCuDNN();
   if (crashing_backward) return at::group_norm(x.contiguous(), num_groups, w, bias, eps, cudnn);
   return at::group_norm(x, num_groups, w, bias, eps, cudnn);
@@ -103,7 +111,7 @@ at::Tensor pytorch_path(const at::Tensor& x, int64_t num_groups, const OptTensor
                         double eps, Act act, const OptTensor& scale, const OptTensor& shift) {
   TORCH_CHECK(x.dim() >= 2, "Expected at least 2 dimensions for input tensor but received " + std::to_string(x.dim()));
   at::Tensor y = safe_group_norm(x, num_groups, weight, bias, eps);
-  if (x.is_cpu()) y = y.contiguous(x.suggest_memory_format());
+  if (x.is_cpu() && !functorch_wrapped(y)) y = y.contiguous(x.suggest_memory_format());  // x's wrapping wraps y
   if (scale.has_value()) y = at::mul(y, at::add(*scale, 1));
   if (shift.has_value()) y = at::add(y, *shift);
   return apply_activation(y, act);
@@ -241,9 +249,7 @@ bool set_cpu_emulates_kernels(bool enabled) { return cpu_emulates_kernels.exchan
 // A torch.func transform (vmap, grad, jvp, ...) or forward-mode AD sees this tensor: the kernel op has no batching
 // rule or forward derivative, PyTorch's ops do.
 bool transformed(const OptTensor& t) {
-  static const c10::DispatchKeySet functorch({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
-                                              c10::DispatchKey::BatchedNestedTensor});
-  return t.has_value() && (t->key_set().has_any(functorch) || t->_fw_grad(/*level=*/0).defined());
+  return t.has_value() && (functorch_wrapped(*t) || t->_fw_grad(/*level=*/0).defined());
 }
 
 // Dense with the channel dimension innermost (see is_channels_last_dense), on symbolic sizes and strides.

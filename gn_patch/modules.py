@@ -81,7 +81,8 @@ class GroupNormAct(nn.GroupNorm):
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript: torch.jit.script cannot compile its forward, "
                            "a Python function that calls gn_patch's custom op (PyTorch's ops until the CUDA extension "
-                           "is loaded). Use torch.compile, torch.export or torch.jit.trace")
+                           "is loaded). Use torch.compile or torch.export (torch.jit.trace once the extension is "
+                           "loaded)")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"

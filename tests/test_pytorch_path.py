@@ -258,3 +258,25 @@ def test_export_of_a_patched_unet_keeps_the_op(kernel_path_on_cpu):
         decomposed = _call_targets(exported.run_decompositions())
         assert decomposed.count("gn_patch.group_norm_act.default") == norms, sorted(set(decomposed))
         tiny_models.assert_same_outputs(exported.module()(**inputs), stock(**inputs))
+
+
+def test_func_transforms_over_channels_last_input(host_path):
+    """torch.func over channels-last CPU input, where functorch cannot be asked for a per-sample layout: vmap over
+    per-sample channels-last input, over a batched input_offset or input_bias, the hessian over the weight; PyTorch's
+    results."""
+    x = CHANNELS_LAST(_randn(2, 16, 4, 4))
+    per_sample = torch.stack([x, 2 * x + 1])  # each sample channels-last
+    assert not per_sample.is_contiguous()
+    try:
+        want = torch.func.vmap(lambda t: _stock(t, None, None))(per_sample)
+    except RuntimeError as error:
+        pytest.skip(f"this torch's own group_norm takes no channels-last sample under vmap (torch 2.13): {error}")
+    torch.testing.assert_close(torch.func.vmap(lambda t: gn_patch.group_norm_act(t, GROUPS))(per_sample), want)
+    offsets, biases = _randn(3, 2, 16, 1, 1, seed=3), _randn(3, 16, seed=4)
+    torch.testing.assert_close(torch.func.vmap(lambda o: gn_patch.group_norm_act(x, GROUPS, input_offset=o))(offsets),
+                               torch.func.vmap(lambda o: _stock(x + o, None, None))(offsets))
+    torch.testing.assert_close(torch.func.vmap(lambda b: gn_patch.group_norm_act(x, GROUPS, input_bias=b))(biases),
+                               torch.func.vmap(lambda b: _stock(x + b.view(1, 16, 1, 1), None, None))(biases))
+    weight = 1 + 0.5 * _randn(16, seed=1)
+    torch.testing.assert_close(torch.func.hessian(lambda w: gn_patch.group_norm_act(x, GROUPS, w).sum())(weight),
+                               torch.func.hessian(lambda w: _stock(x, w, None).sum())(weight), atol=1e-5, rtol=1e-4)

@@ -462,6 +462,15 @@ def test_backward_makes_no_zero_gradients_for_the_statistics(kernel_path_on_cpu)
     assert "aten::zeros" not in names  # autograd materialises an absent output gradient with at::zeros
 
 
+def _backward_ops_under_compiled_autograd(fn, backend):
+    """Runs torch.compile(fn, backend=backend)() with compiled autograd on (a fresh Dynamo cache); the names of the
+    ops it called."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(compiled_autograd=True), _records_op_calls() as prof:
+        torch.compile(fn, backend=backend)()
+    return {e.name for e in prof.events()}
+
+
 def test_compiled_autograd_backward_of_an_eager_forward(kernel_path_on_cpu):
     """torch.compile'd backward with compiled autograd over an eager forward: the kernel path's autograd node is
     compiled with the rest, and its gradients are stock's."""
@@ -469,10 +478,7 @@ def test_compiled_autograd_backward_of_an_eager_forward(kernel_path_on_cpu):
     x_stock, x_fused = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     stock(x_stock).square().sum().backward()
     loss = fused(x_fused).square().sum()
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(compiled_autograd=True), _records_op_calls() as prof:
-        torch.compile(lambda: loss.backward(), backend="eager")()
-    assert "gn_patch::group_norm_act_backward" in {e.name for e in prof.events()}
+    assert "gn_patch::group_norm_act_backward" in _backward_ops_under_compiled_autograd(loss.backward, "eager")
     assert_close(x_fused.grad, x_stock.grad, atol=1e-4, rtol=1e-4, what="grad")
     assert_close(fused.weight.grad, stock[0].weight.grad, atol=1e-4, rtol=1e-4, what="grad")
 
@@ -525,10 +531,7 @@ def test_compiled_autograd_over_a_compiled_training_step(kernel_path_on_cpu, act
     def step():
         fused(x_fused).square().sum().backward()
 
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(compiled_autograd=True), _records_op_calls() as prof:
-        torch.compile(step, backend="aot_eager")()
-    assert "gn_patch::group_norm_act_backward" in {e.name for e in prof.events()}
+    assert "gn_patch::group_norm_act_backward" in _backward_ops_under_compiled_autograd(step, "aot_eager")
     assert_close(x_fused.grad, x_stock.grad, atol=1e-4, rtol=1e-4, what="grad")
     assert_close(fused.weight.grad, stock.weight.grad, atol=1e-4, rtol=1e-4, what="grad")
     assert_close(fused.bias.grad, stock.bias.grad, atol=1e-4, rtol=1e-4, what="grad")

@@ -374,7 +374,7 @@ def bias_residual_add(residual: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     return residual + (x + bias.reshape(1, -1, *(1,) * (x.dim() - 2)))
 
 
-def _transformed(t: torch.Tensor) -> bool:
+def _functorch_wrapped(t: torch.Tensor) -> bool:
     """Whether a torch.func transform (vmap, grad, jvp, ...) wraps t: functorch cannot be asked for its per-sample
     layout ("NYI: querying is_contiguous inside of vmap") nor copy it to channels-last. False while torch.compile
     traces: Dynamo cannot trace the query, and traces the transforms itself."""
@@ -392,7 +392,7 @@ def _safe_group_norm(x, num_groups, weight, bias, eps):
         weight = torch.ones_like(bias)
     if x.is_cpu and torch.is_grad_enabled():
         params_need_grad = any(p is not None and p.requires_grad for p in (weight, bias))
-        if (params_need_grad and not x.requires_grad and not _transformed(x)
+        if (params_need_grad and not x.requires_grad and not _functorch_wrapped(x)
                 and suggest_memory_format(x) != torch.contiguous_format):
             x = x.contiguous()
     return F.group_norm(x, num_groups, weight, bias, eps)
@@ -416,7 +416,7 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shif
         raise TypeError(f"gn_patch.group_norm_act: x must be a floating-point tensor, got {x.dtype}")
     scale, shift = _broadcastable(scale, x, "scale"), _broadcastable(shift, x, "shift")
     y = _safe_group_norm(x, num_groups, weight, bias, eps)
-    if x.is_cpu and not _transformed(y):  # a transformed x makes y transformed too
+    if x.is_cpu and not _functorch_wrapped(y):  # a wrapped x makes y wrapped too
         y = y.contiguous(memory_format=suggest_memory_format(x))
     if scale is not None:
         y = y * (1 + scale)

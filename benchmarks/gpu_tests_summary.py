@@ -2,7 +2,9 @@
 
     python benchmarks/gpu_tests_summary.py REPORT.xml OUT.json
 
-Writes {"commit", "gpu", "torch", "passed", "failed", "errors", "skipped", "failures": [test ids]}.
+Writes {"commit", "gpu", "torch", "date", "duration_s", "passed", "failed", "errors", "skipped",
+"failures": [test ids]}; date and duration_s are the report's (the run's start, ISO 8601, and its wall time in
+seconds), None where absent.
 The commit comes from $GN_PATCH_COMMIT (the device machine's copy of the tree has no .git), else git.
 """
 
@@ -18,7 +20,11 @@ from gn_patch.bench.results import commit_id
 def summarize(report: str) -> dict:
     counts = dict(passed=0, failed=0, errors=0, skipped=0)
     failures = []
-    for case in ET.parse(report).getroot().iter("testcase"):
+    root = ET.parse(report).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")  # pytest wraps it in <testsuites>
+    date = suite.get("timestamp") if suite is not None else None
+    duration = float(suite.get("time")) if suite is not None and suite.get("time") else None
+    for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         if case.find("failure") is not None:
             counts["failed"] += 1
@@ -31,7 +37,8 @@ def summarize(report: str) -> dict:
         else:
             counts["passed"] += 1
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return dict(commit=commit_id(), gpu=gpu, torch=torch.__version__, **counts, failures=failures)
+    return dict(commit=commit_id(), gpu=gpu, torch=torch.__version__, date=date, duration_s=duration, **counts,
+                failures=failures)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 the txt2img pipeline wiring) and, on a GPU, a smoke run of the kernel table. The peers section: test_bench_peers.py."""
 
 import argparse
+import importlib.util
 import json
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ from gn_patch import GroupNormAct, configs
 from gn_patch.bench import cli, e2e, kernels, models, report, results, settings
 
 E5, E6 = 1e-5, 1e-6
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny(cls, config):
@@ -418,3 +421,26 @@ def test_quick_cpu_section_times_inference_and_training_calls(tmp_path):
         assert 0 < row["us_per_call_min"] <= row["us_per_call"], row
     training = [row["method"] for row in rows if row["method"].endswith("fwd+bwd")]
     assert len(training) == 3 and any(name.startswith("GroupNormAct") for name in training)
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU suite's summary (benchmarks/gpu_tests_summary.py, run on the H200 by benchmarks/h200.sh)
+# ------------------------------------------------------------------------------------------------
+def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_tests_summary", ROOT / "benchmarks" / "gpu_tests_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = tmp_path / "report.xml"
+    report.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1" '
+        'skipped="1" tests="4" time="12.5" timestamp="2026-12-02T18:00:00.000001+00:00">'
+        '<testcase classname="tests.test_a" name="test_ok" time="0.1"/>'
+        '<testcase classname="tests.test_a" name="test_fails" time="0.1"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_a" name="test_skipped" time="0"><skipped message="y"/></testcase>'
+        '<testcase classname="tests.test_a" name="test_errs" time="0"><error message="z"/></testcase>'
+        "</testsuite></testsuites>")
+    result = module.summarize(str(report))
+    assert (result["passed"], result["failed"], result["errors"], result["skipped"]) == (1, 1, 1, 1)
+    assert result["failures"] == ["tests.test_a::test_fails", "tests.test_a::test_errs"]
+    assert result["date"] == "2026-12-02T18:00:00.000001+00:00"
+    assert result["duration_s"] == 12.5

@@ -482,10 +482,12 @@ struct BackwardClusterOccupancy {
   static const ClusterOccupancy* fn(bool straddle, int max_cluster) {
     if constexpr (kStraddles<T, V>) {
       static OccupancyCache straddle_cache;
-      if (straddle) return query_cluster_occupancy(backward_kernel<T, V, A, true>, max_cluster, straddle_cache);
+      if (straddle) {
+        return query_cluster_occupancy(std::array{backward_kernel<T, V, A, true>}, max_cluster, straddle_cache);
+      }
     }
     static OccupancyCache cache;
-    return query_cluster_occupancy(backward_kernel<T, V, A, false>, max_cluster, cache);
+    return query_cluster_occupancy(std::array{backward_kernel<T, V, A, false>}, max_cluster, cache);
   }
 };
 

@@ -311,9 +311,41 @@ __device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(const GroupPair<f
   return LaneAffine<V, Straddle>(stats.lo, affine, stats.hi, b.lanes_lo);
 }
 
-template <typename T, int V, Act A, bool Straddle, bool Offset>
+// Clustered forwards of 16-byte vectors, the widths that stream in practice (narrower vectors stream only where
+// the straddling ones cannot be used), have a kernel apart for rows that are not resident: a kernel holding both
+// ways is compiled for the resident rows' registers, and batches of streamed rows larger than those spilled under
+// the register cap and slowed the resident shapes. On the H200 (fp16, one build with both in one kernel), batches
+// of stats_kernel's size took (2, 960, 64, 64) 25.4 -> 23.0 us, (2, 640, 64, 64) 18.8 -> 17.7, (8, 320, 64, 64)
+// 31.2 -> 29.4, and the resident (2, 1280, 16, 16) 5.2 -> 5.5, (1, 512, 64, 64) 8.8 -> 9.6 (benchmarks/NOTES.md
+// session 19).
+template <typename T, int V>
+constexpr bool kStreamedApart = V * sizeof(T) == 16;
+
+// Rows of one batch of the statistics pass where rows stream: as many as fill 32 registers (24 with straddling
+// vectors, whose per-lane sums take registers too; 32 spilled 8 bytes), as a DRAM-bound pass wants in flight (one
+// H200 run with batches of resident_rows had the (1, 256, 1024, 1024) forward 10% slower).
+template <typename T, int V, bool Straddle>
+constexpr int kStatsBatch = rows_in_registers(Straddle ? 24 : 32, V * sizeof(T), 16);
+
+// Whether a clustered forward kernel instance holds its rows in registers: never where it is the instance for
+// streamed rows (Streamed), always where that instance exists apart (this one is launched for resident rows only),
+// else as the geometry says. A constant in all but the last case: the compiler drops the other way.
+template <typename T, int V, bool Streamed>
+__device__ __forceinline__ bool rows_resident(const Geometry& g) {
+  if constexpr (Streamed) {
+    return false;
+  } else if constexpr (kStreamedApart<T, V>) {
+    return true;
+  } else {
+    return g.resident;
+  }
+}
+
+template <typename T, int V, Act A, bool Straddle, bool Offset, bool Streamed>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kernel(const ForwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T), Straddle);
+  constexpr int kBatch = Streamed ? kStatsBatch<T, V, Straddle> : kRows;
+  const bool resident = rows_resident<T, V, Streamed>(a.geo);
   __shared__ Welford items[kMaxThreads];
   __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
@@ -327,13 +359,13 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   const RowOffset<T, V, Offset> offset(a, b);
 
   Pack<T, V> packs[kRows];  // resident rows
-  if (g.resident) {
+  if (resident) {
     load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
     offset.add_to(packs);
   }
   load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
-  const ThreadStats t = g.resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
-                                   : streamed_thread_stats<T, V, Straddle, kRows>(x, g, b, rows, offset);
+  const ThreadStats t = resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
+                                 : streamed_thread_stats<T, V, Straddle, kBatch>(x, g, b, rows, offset);
   block_partials_of<Straddle>(t, items, items_hi, partial, g);
   // (reference, mean offset, rstd) of the thread's group (lo) and, straddling, of the next (hi). The first block of
   // a group's rows writes its mean and rstd.
@@ -372,7 +404,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   if (b.active) {
     const auto l = lane_affine<V, Straddle>(stats, &tile_affine[b.col * V], b);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
-    if (g.resident) {
+    if (resident) {
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
         if (u < rows) normalize_pack<T, V, A>(packs[u], y + output_row(g, thread_row(g, b, u)) * g.C, l);
@@ -387,10 +419,6 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
 // Unclustered, 1: the block's per-group statistics -> partials[(n * splits + split) * G + group].
 template <typename T, int V, bool Straddle, bool Offset>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel(const ForwardArgs a) {
-  // Rows in flight per batch: 32 registers of loads, as before resident rows were capped at 24 (a DRAM-bound pass:
-  // one H200 run with batches of resident_rows had the (1, 256, 1024, 1024) forward 10% slower).
-  // Straddling vectors: 24 (32 spilled 8 bytes).
-  constexpr int kStatsBatch = rows_in_registers(Straddle ? 24 : 32, V * sizeof(T), 16);
   __shared__ Welford items[kMaxThreads];
   __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
   __shared__ Welford partial[kMaxThreads];
@@ -398,8 +426,9 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel
   const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const RowOffset<T, V, Offset> offset(a, b);
-  block_partials_of<Straddle>(streamed_thread_stats<T, V, Straddle, kStatsBatch>(x, g, b, thread_rows(g, b), offset),
-                              items, items_hi, partial, g);
+  block_partials_of<Straddle>(
+      streamed_thread_stats<T, V, Straddle, kStatsBatch<T, V, Straddle>>(x, g, b, thread_rows(g, b), offset), items,
+      items_hi, partial, g);
   if (threadIdx.x < g.groups_per_tile) {
     const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;
     reinterpret_cast<Welford*>(a.partials)[(b.n * g.splits + b.rank) * g.G + group] =
@@ -442,7 +471,12 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
 template <typename T, int V, Act A, bool Straddle, bool Offset>
 void launch_forward_kernels(const ForwardArgs& a, cudaStream_t stream) {
   const Geometry& g = a.geo;
-  if (g.clustered) return launch_kernel(forward_kernel<T, V, A, Straddle, Offset>, g, stream, a);
+  if (g.clustered) {
+    if constexpr (kStreamedApart<T, V>) {
+      if (!g.resident) return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, true>, g, stream, a);
+    }
+    return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, false>, g, stream, a);
+  }
   launch_kernel(stats_kernel<T, V, Straddle, Offset>, g, stream, a);
   const unsigned finalize_blocks = (unsigned)((g.N * g.G + kFinalizeThreads / 32 - 1) / (kFinalizeThreads / 32));
   finalize_kernel<<<finalize_blocks, kFinalizeThreads, 0, stream>>>(a);
@@ -469,37 +503,59 @@ struct ForwardKernels {
 };
 
 // The clustered kernel's cluster limit, opting it in to large clusters.
-template <typename T, int V, Act A, bool Straddle, bool Offset>
+template <typename T, int V, Act A, bool Straddle, bool Offset, bool Streamed>
 int forward_kernel_max_cluster() {
   static std::array<std::atomic<int>, kMaxDevices> cache{};
-  return query_max_cluster(forward_kernel<T, V, A, Straddle, Offset>, cache);
+  return query_max_cluster(forward_kernel<T, V, A, Straddle, Offset, Streamed>, cache);
 }
 
-// Every clustered kernel of a vector width (straddling or not, with an input offset or not) is opted in to large
-// clusters; the geometry takes the smallest limit.
+// The smaller limit of the clustered kernel for resident rows and, where it exists apart, that for streamed rows.
+template <typename T, int V, Act A, bool Straddle, bool Offset>
+int forward_kernels_max_cluster() {
+  const int limit = forward_kernel_max_cluster<T, V, A, Straddle, Offset, false>();
+  if constexpr (kStreamedApart<T, V>) {
+    return std::min(limit, forward_kernel_max_cluster<T, V, A, Straddle, Offset, true>());
+  }
+  return limit;
+}
+
+// Every clustered kernel of a vector width (straddling or not, with an input offset or not, for resident or
+// streamed rows) is opted in to large clusters; the geometry takes the smallest limit.
 template <typename T, int V, Act A>
 struct ForwardMaxCluster {
   static int fn() {
-    int limit = forward_kernel_max_cluster<T, V, A, false, false>();
-    if constexpr (kStraddles<T, V>) limit = std::min(limit, forward_kernel_max_cluster<T, V, A, true, false>());
+    int limit = forward_kernels_max_cluster<T, V, A, false, false>();
+    if constexpr (kStraddles<T, V>) limit = std::min(limit, forward_kernels_max_cluster<T, V, A, true, false>());
     if constexpr (fuses_input_offset(A)) {
-      limit = std::min(limit, forward_kernel_max_cluster<T, V, A, false, true>());
-      if constexpr (kStraddles<T, V>) limit = std::min(limit, forward_kernel_max_cluster<T, V, A, true, true>());
+      limit = std::min(limit, forward_kernels_max_cluster<T, V, A, false, true>());
+      if constexpr (kStraddles<T, V>) limit = std::min(limit, forward_kernels_max_cluster<T, V, A, true, true>());
     }
     return limit;
   }
 };
 
-// The clustered kernel's occupancy (the one without input terms: the same register cap and shared memory).
+// The clustered kernels' occupancy for (T, V, A, Straddle): the fewest clusters of those for resident rows and,
+// where apart, for streamed rows, with and without input terms. Their registers differ (on the H200, 64 and 80 for
+// the 16-bit straddling SiLU kernels), and the geometry is chosen before it is known which of them runs it: one
+// table for the kernel for resident rows alone split (16, 640, 32, 32) into clusters of 2 whose grid took two waves
+// of the kernel for streamed rows (23.2 -> 27.3 us).
+template <typename T, int V, Act A, bool Straddle>
+const ClusterOccupancy* forward_occupancy(int max_cluster) {
+  static OccupancyCache cache;
+  constexpr bool kOffset = fuses_input_offset(A), kApart = kStreamedApart<T, V>;
+  const std::array<void (*)(ForwardArgs), 4> kernels = {
+      forward_kernel<T, V, A, Straddle, false, false>, forward_kernel<T, V, A, Straddle, kOffset, false>,
+      forward_kernel<T, V, A, Straddle, false, kApart>, forward_kernel<T, V, A, Straddle, kOffset, kApart>};
+  return query_cluster_occupancy(kernels, max_cluster, cache);
+}
+
 template <typename T, int V, Act A>
 struct ForwardClusterOccupancy {
   static const ClusterOccupancy* fn(bool straddle, int max_cluster) {
     if constexpr (kStraddles<T, V>) {
-      static OccupancyCache straddle_cache;
-      if (straddle) return query_cluster_occupancy(forward_kernel<T, V, A, true, false>, max_cluster, straddle_cache);
+      if (straddle) return forward_occupancy<T, V, A, true>(max_cluster);
     }
-    static OccupancyCache cache;
-    return query_cluster_occupancy(forward_kernel<T, V, A, false, false>, max_cluster, cache);
+    return forward_occupancy<T, V, A, false>(max_cluster);
   }
 };
 

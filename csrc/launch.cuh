@@ -7,8 +7,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <climits>
 #include <mutex>
 #include <string>
 
@@ -209,11 +211,13 @@ struct OccupancyCache {
   std::array<ClusterOccupancy, kMaxDevices> tables{};
 };
 
-// `kernel`'s ClusterOccupancy on the current device for clusters of up to max_cluster blocks (query_max_cluster's,
-// which opts it in to the non-portable sizes), queried on first use. nullptr without clusters, or when first asked
-// inside a CUDA-graph capture (the query is not made there, as in query_max_cluster).
-template <typename Args>
-const ClusterOccupancy* query_cluster_occupancy(void (*kernel)(Args), int max_cluster, OccupancyCache& cache) {
+// The ClusterOccupancy on the current device for clusters of up to max_cluster blocks of the kernels that one
+// geometry may launch, entry by entry the fewest clusters any of them fits (query_max_cluster opts each in to the
+// non-portable sizes), queried on first use. nullptr without clusters, or when first asked inside a CUDA-graph
+// capture (the query is not made there, as in query_max_cluster).
+template <typename Args, size_t K>
+const ClusterOccupancy* query_cluster_occupancy(const std::array<void (*)(Args), K>& kernels, int max_cluster,
+                                                OccupancyCache& cache) {
   if (max_cluster < 2) return nullptr;
   const int device = cached_device(cache.tables.size());
   if (cache.ready[device].load(std::memory_order_acquire)) return &cache.tables[device];
@@ -229,9 +233,13 @@ const ClusterOccupancy* query_cluster_occupancy(void (*kernel)(Args), int max_cl
         cudaLaunchAttribute cluster = cluster_dimension(1u << log2);
         config.attrs = &cluster;
         config.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) clusters = 0;
-        table.clusters[log2][warps - 1] = clusters;
+        int fewest = INT_MAX;
+        for (const auto kernel : kernels) {
+          int clusters = 0;
+          if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) clusters = 0;
+          fewest = std::min(fewest, clusters);
+        }
+        table.clusters[log2][warps - 1] = fewest;
       }
     }
     (void)cudaGetLastError();  // a refused query leaves 0 (unknown), not an error to report later

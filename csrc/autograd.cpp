@@ -36,6 +36,16 @@ const auto& forward_op() {
   return op;
 }
 
+// gn_patch::group_norm_act's y alone, for calls that record no gradient: no mean or rstd allocated.
+const auto& inference_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("gn_patch::group_norm_act_inference", "")
+          .typed<at::Tensor(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                            int64_t, double, c10::string_view, const OptTensor&, const OptTensor&, bool)>();
+  return op;
+}
+
 const auto& backward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("gn_patch::group_norm_act_backward", "")
@@ -203,6 +213,35 @@ class GroupNormActFunction : public torch::autograd::Function<GroupNormActFuncti
   }
 };
 
+using Inputs = std::initializer_list<const OptTensor*>;
+
+// Grad mode is on and x or one of the optional inputs requires a gradient: autograd must record the call.
+bool records_gradient(const at::Tensor& x, Inputs inputs) {
+  return at::GradMode::is_enabled() && (x.requires_grad() || std::any_of(inputs.begin(), inputs.end(), [](auto* p) {
+                                          return p->has_value() && (*p)->requires_grad();
+                                        }));
+}
+
+bool has_forward_grad(const at::Tensor& x, Inputs inputs) {
+  return x._fw_grad(/*level=*/0).defined() || std::any_of(inputs.begin(), inputs.end(), [](auto* p) {
+           return p->has_value() && (*p)->_fw_grad(/*level=*/0).defined();
+         });
+}
+
+// The inference op has no derivative: the dispatching op calls it only where nothing is recorded.
+at::Tensor group_norm_act_inference_autograd(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                             const OptTensor& scale, const OptTensor& shift, int64_t num_groups,
+                                             double eps, c10::string_view activation, const OptTensor& input_offset,
+                                             const OptTensor& input_bias, bool frames_last) {
+  const Inputs inputs = {&weight, &bias, &scale, &shift, &input_offset, &input_bias};
+  TORCH_CHECK(!records_gradient(x, inputs) && !has_forward_grad(x, inputs),
+              "gn_patch::group_norm_act_inference has no derivative: call gn_patch::group_norm_act (or "
+              "gn_patch.group_norm_act) where a gradient is needed");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return inference_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias,
+                             frames_last);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at::Tensor& x, const OptTensor& weight,
                                                                        const OptTensor& bias, const OptTensor& scale,
                                                                        const OptTensor& shift, int64_t num_groups,
@@ -211,16 +250,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
                                                                        const OptTensor& input_bias, bool frames_last) {
   // Nothing to record (no_grad, as diffusers' pipelines run, or no input needing a gradient): the op runs below
   // autograd without the Function's node and saved state. Forward-mode AD keeps the Function, which refuses it.
-  const std::array<const OptTensor*, 6> params = {&weight, &bias, &scale, &shift, &input_offset, &input_bias};
-  const bool needs_grad = at::GradMode::is_enabled() &&
-                          (x.requires_grad() || std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
-                             return p->has_value() && (*p)->requires_grad();
-                           }));
+  const bool needs_grad = records_gradient(x, {&weight, &bias, &scale, &shift, &input_offset, &input_bias});
   // Forward-mode AD is looked for only where the fast path would otherwise be taken: a training call pays nothing.
-  const bool forward_ad = !needs_grad && (x._fw_grad(/*level=*/0).defined() ||
-                                          std::any_of(params.begin(), params.end(), [](const OptTensor* p) {
-                                            return p->has_value() && (*p)->_fw_grad(/*level=*/0).defined();
-                                          }));
+  const bool forward_ad =
+      !needs_grad && has_forward_grad(x, {&weight, &bias, &scale, &shift, &input_offset, &input_bias});
   if (!needs_grad && !forward_ad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return forward_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias,
@@ -336,6 +369,11 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   check_values_per_group(x, num_groups);
   check_frames_last(x, frames_last);
   if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
+    // kernel_covers and term_fusable leave out forward-mode AD: only a gradient to record decides.
+    if (!records_gradient(x, {&weight, &bias, &scale, &shift, &input_offset, &input_bias})) {
+      return inference_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps, activation,
+                                 per_sample(input_offset), input_bias, frames_last);
+    }
     return std::get<0>(forward_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps,
                                          activation, per_sample(input_offset), input_bias, frames_last));
   }
@@ -348,7 +386,10 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gn_patch, Autograd, m) { m.impl("group_norm_act", &group_norm_act_autograd); }
+TORCH_LIBRARY_IMPL(gn_patch, Autograd, m) {
+  m.impl("group_norm_act", &group_norm_act_autograd);
+  m.impl("group_norm_act_inference", &group_norm_act_inference_autograd);
+}
 
 TORCH_LIBRARY_IMPL(gn_patch, CompositeImplicitAutograd, m) {
   m.impl("group_norm_act_dispatch", &group_norm_act_dispatch);

@@ -242,12 +242,13 @@ __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geome
   }
 }
 
-// (reference, mean offset, rstd) of a group's total statistics; writes mean and rstd when `out` is set.
-__device__ __forceinline__ float4 group_stats_of(const Welford& t, float eps, float* mean, float* rstd) {
-  const float r = rsqrtf(t.m2 / t.count + eps);
-  if (mean != nullptr) {
-    *mean = t.ref + t.mean;
-    *rstd = r;
+// (reference, mean offset, rstd) of group ng's total statistics; the writer stores its mean and rstd where the call
+// has them (an inference call has none).
+__device__ __forceinline__ float4 group_stats_of(const Welford& t, const ForwardArgs& a, bool writer, int64_t ng) {
+  const float r = rsqrtf(t.m2 / t.count + a.eps);
+  if (writer && a.mean != nullptr) {
+    a.mean[ng] = t.ref + t.mean;
+    a.rstd[ng] = r;
   }
   return make_float4(t.ref, t.mean, r, 0.f);
 }
@@ -382,7 +383,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     if (threadIdx.x < g.groups_per_tile) {
       const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + threadIdx.x;
       const Welford total = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
-      group_stats[threadIdx.x] = group_stats_of(total, a.eps, b.rank == 0 ? a.mean + group : nullptr, a.rstd + group);
+      group_stats[threadIdx.x] = group_stats_of(total, a, b.rank == 0, group);
     }
     cluster_arrive(g.cluster());
     __syncthreads();
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     const GroupWriter writes = group_writer<Straddle>(g, b);
     const int64_t group = b.n * g.G + b.group;
     auto finalise = [&](const Welford& total, bool writer, int64_t ng) {
-      return group_stats_of(total, a.eps, writer ? a.mean + ng : nullptr, a.rstd + ng);
+      return group_stats_of(total, a, writer, ng);
     };
     stats.lo = finalise(totals.lo, writes.lo, group);
     stats.hi = Straddle ? finalise(totals.hi, writes.hi, group + 1) : stats.lo;
@@ -450,7 +451,7 @@ __global__ void finalize_kernel(const ForwardArgs a) {
   Welford w{};
   for (int64_t s = lane; s < g.splits; s += 32) w = welford_combine(w, partials[(n * g.splits + s) * g.G + group]);
   w = lanes_reduce(w, 32, welford_combine);
-  if (lane == 0) reinterpret_cast<float4*>(a.group_stats)[ng] = group_stats_of(w, a.eps, a.mean + ng, a.rstd + ng);
+  if (lane == 0) reinterpret_cast<float4*>(a.group_stats)[ng] = group_stats_of(w, a, true, ng);
 }
 
 // Unclustered, 3: normalise the block's rows with its groups' statistics.

@@ -204,8 +204,8 @@ struct ForwardArgs {
   bool modulation_fp32;  // scale/shift are float32 (else the input's dtype)
   float eps;
   void* y;
-  float* mean;  // (N, G)
-  float* rstd;  // (N, G)
+  float* mean;  // (N, G), or null: an inference call (gn_patch::group_norm_act_inference) returns y alone
+  float* rstd;  // (N, G), or null with mean
   // Unclustered splits only (else nullptr): (N, splits, G) partial statistics, then (N, G) group statistics,
   // 4 floats each (struct Welford; then reference, mean offset, rstd).
   float* partials;

@@ -99,11 +99,13 @@ std::optional<at::Tensor> aligned(const std::optional<at::Tensor>& t) {
   return dense(t);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
+// y, and mean and rstd where `statistics` is set (undefined otherwise: an inference call, which never reads them,
+// allocates neither).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
     c10::string_view activation, const std::optional<at::Tensor>& input_offset,
-    const std::optional<at::Tensor>& input_bias, bool frames_last) {
+    const std::optional<at::Tensor>& input_bias, bool frames_last, bool statistics) {
   check_inputs(input, weight, bias, scale, shift, num_groups);
   check_input_terms(input, input_offset, input_bias);
   check_frames_last(input, frames_last);
@@ -117,21 +119,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   if (frames_last && !(N > 0 && supported && adds_itself && spatial_size(input) <= INT32_MAX)) {
     // The kernels write frames_last rows where they compute y themselves (output_row's 32-bit rows); elsewhere y is
     // computed in x's layout and copied.
-    auto [y, mean, rstd] = group_norm_act_cuda(input, weight, bias, scale, shift, num_groups, eps, activation,
-                                               input_offset, input_bias, false);
+    auto [y, mean, rstd] = forward_cuda(input, weight, bias, scale, shift, num_groups, eps, activation, input_offset,
+                                        input_bias, false, statistics);
     return {empty_frames_last(input).copy_(y), mean, rstd};
   }
   if (N > 0 && !adds_itself) {
     // Kernels that do not add them: (x + bias) + offset with PyTorch's adds (the kernels' rounding), y in x's layout
     // (as empty_like(input) would have it: input's strides where it is dense).
-    auto [y, mean, rstd] = group_norm_act_cuda(with_input_terms(input, input_offset, input_bias), weight, bias, scale,
-                                               shift, num_groups, eps, activation, std::nullopt, std::nullopt, false);
+    auto [y, mean, rstd] = forward_cuda(with_input_terms(input, input_offset, input_bias), weight, bias, scale, shift,
+                                        num_groups, eps, activation, std::nullopt, std::nullopt, false, statistics);
     const bool same_layout = input.is_non_overlapping_and_dense() && y.strides() == input.strides();
     return {same_layout ? y : at::empty_like(input).copy_(y), mean, rstd};
   }
   const auto stat_opts = input.options().dtype(at::kFloat);
-  at::Tensor mean = at::empty({N, num_groups}, stat_opts);
-  at::Tensor rstd = at::empty({N, num_groups}, stat_opts);
+  at::Tensor mean = statistics ? at::empty({N, num_groups}, stat_opts) : at::Tensor();
+  at::Tensor rstd = statistics ? at::empty({N, num_groups}, stat_opts) : at::Tensor();
   if (N == 0) return {at::empty_like(input), mean, rstd};
   if (!supported) return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
 
@@ -159,8 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   a.modulation_fp32 = is_fp32_for(x, scale, shift);
   a.eps = (float)eps;
   a.y = y.data_ptr();
-  a.mean = mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
+  a.mean = statistics ? mean.data_ptr<float>() : nullptr;
+  a.rstd = statistics ? rstd.data_ptr<float>() : nullptr;
   at::Tensor scratch;  // unclustered: [partials (N, splits, G) | group statistics (N, G)], 4 floats each
   a.partials = a.group_stats = nullptr;
   if (!a.geo.clustered) {
@@ -172,6 +174,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
   launch_forward(a, c10::cuda::getCurrentCUDAStream());
   if (!frames_last && !x.is_same(input)) y = at::empty_like(input).copy_(y);  // the layout the fake function promises
   return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_cuda(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
+    c10::string_view activation, const std::optional<at::Tensor>& input_offset,
+    const std::optional<at::Tensor>& input_bias, bool frames_last) {
+  return forward_cuda(input, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias,
+                      frames_last, /*statistics=*/true);
+}
+
+at::Tensor group_norm_act_inference_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                                         const std::optional<at::Tensor>& bias,
+                                         const std::optional<at::Tensor>& scale,
+                                         const std::optional<at::Tensor>& shift, int64_t num_groups, double eps,
+                                         c10::string_view activation, const std::optional<at::Tensor>& input_offset,
+                                         const std::optional<at::Tensor>& input_bias, bool frames_last) {
+  return std::get<0>(forward_cuda(input, weight, bias, scale, shift, num_groups, eps, activation, input_offset,
+                                  input_bias, frames_last, /*statistics=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_norm_act_backward_cuda(
@@ -256,6 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_nor
 
 TORCH_LIBRARY_IMPL(gn_patch, CUDA, m) {
   m.impl("group_norm_act", &group_norm_act_cuda);
+  m.impl("group_norm_act_inference", &group_norm_act_inference_cuda);
   m.impl("group_norm_act_backward", &group_norm_act_backward_cuda);
 }
 

@@ -6,6 +6,8 @@ compiled extension, csrc/, loaded on first use by gn_patch.extension):
 * ``gn_patch::group_norm_act(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
   input_bias=None, frames_last=False) -> (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last
   inputs through a channels-last copy); CPU: the reference implementation (same formulas, float32 statistics).
+* ``gn_patch::group_norm_act_inference(...)``: the same arguments, y alone (no mean or rstd allocated), for calls
+  that record no gradient; it has no derivative.
 * ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
 * ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift,
   input_offset=None, input_bias=None, frames_last=False) -> y``: what :func:`group_norm_act` and
@@ -48,6 +50,11 @@ _lib.define(
     "group_norm_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, int num_groups, float eps,"
     " str activation, Tensor? input_offset=None, Tensor? input_bias=None, bool frames_last=False)"
     " -> (Tensor y, Tensor mean, Tensor rstd)"
+)
+_lib.define(
+    "group_norm_act_inference(Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift, int num_groups,"
+    " float eps, str activation, Tensor? input_offset=None, Tensor? input_bias=None, bool frames_last=False)"
+    " -> Tensor y"
 )
 _lib.define(
     "group_norm_act_backward(Tensor grad_out, Tensor x, Tensor? weight, Tensor? bias, Tensor? scale, Tensor? shift,"
@@ -234,6 +241,11 @@ def _group_norm_act_fake(x, weight, bias, scale, shift, num_groups, eps, activat
     return _empty_frames_last(x) if frames_last else torch.empty_like(x), stats, torch.empty_like(stats)
 
 
+@torch.library.register_fake("gn_patch::group_norm_act_inference")
+def _group_norm_act_inference_fake(*args, **kwargs):
+    return _group_norm_act_fake(*args, **kwargs)[0]
+
+
 def _grad_outputs(x, weight, bias, scale, shift, output_mask):
     """The backward op's outputs, empty: like their input where requested and present, else (0,), each its own
     tensor (outputs of a custom op may not alias each other)."""
@@ -283,7 +295,6 @@ def _modulated(v, m, shift):
     return v
 
 
-@torch.library.impl("gn_patch::group_norm_act", "CPU")
 def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset=None,
                               input_bias=None, frames_last=False):
     _check_inputs(x, weight, bias, scale, shift, num_groups, activation)
@@ -301,6 +312,15 @@ def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, ac
     u = _modulated(_affine(_normalized(x, mean, rstd, num_groups), weight, bias), _modulation(x, scale), shift)
     y.copy_(ACTIVATIONS[canonical_activation(activation)](u))
     return y, mean, rstd
+
+
+def _group_norm_act_inference_reference(*args, **kwargs):
+    return _group_norm_act_reference(*args, **kwargs)[0]
+
+
+# Registered by call: the decorator form returns None, and the inference op's reference calls the full one.
+torch.library.impl("gn_patch::group_norm_act", "CPU")(_group_norm_act_reference)
+torch.library.impl("gn_patch::group_norm_act_inference", "CPU")(_group_norm_act_inference_reference)
 
 
 # name -> (grad of the activation's output, its input u) -> grad of u: the backward ops PyTorch's autograd formulas

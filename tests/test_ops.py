@@ -11,6 +11,7 @@ import gn_patch
 from gn_patch import extension
 from gn_patch.ops import ACTIVATIONS
 
+from . import tiny_models
 from .conftest import TOLERANCES
 from .reference import assert_close, random_input, reference
 
@@ -23,6 +24,7 @@ SHAPES = {
     "hw_1": (3, 12, 1, 1),
 }
 OP = torch.ops.gn_patch.group_norm_act.default
+INFERENCE_OP = torch.ops.gn_patch.group_norm_act_inference.default
 OP_BWD = torch.ops.gn_patch.group_norm_act_backward.default
 ALL_GRADS = [True] * 5
 
@@ -275,6 +277,34 @@ def test_opcheck(ext):
     torch.library.opcheck(OP, (x, w, b, scale, None, 2, 1e-6, "identity"))
 
 
+def test_opcheck_inference(ext):
+    """The inference op's schema, fake function and CPU implementation agree (inputs needing no gradient: it has
+    none), and its y is group_norm_act's, bit for bit."""
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+    w, b = affine(8)
+    scale, shift = modulation(2, 8)
+    offset = random_input((2, 8), torch.float32, "cpu", seed=3)
+    for args in [(x, w, b, None, None, 4, 1e-5, "silu"), (x, None, None, scale, shift, 2, 1e-6, "mish"),
+                 (x, w, b, scale, None, 2, 1e-6, "identity", offset)]:
+        torch.library.opcheck(INFERENCE_OP, args)
+        torch.testing.assert_close(INFERENCE_OP(*args), OP(*args)[0], rtol=0, atol=0)
+
+
+def test_inference_op_refuses_a_gradient(ext):
+    """The inference op has no derivative: asked to record one (grad mode, an input requiring a gradient) or to
+    carry a forward-mode tangent, it raises instead of returning a y without history."""
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+    w, b = affine(8)
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        INFERENCE_OP(x, w.requires_grad_(True), b, None, None, 4, 1e-5, "silu")
+    with torch.no_grad():
+        INFERENCE_OP(x, w, b, None, None, 4, 1e-5, "silu")  # nothing to record
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="has no derivative"):
+        INFERENCE_OP(fwAD.make_dual(x, torch.ones_like(x)), w.detach(), b, None, None, 4, 1e-5, "silu")
+
+
 @pytest.mark.parametrize("output_mask", [[True, False, False, False, False], [False, True, True, False, False],
                                          [True, True, True, True, True], [False] * 5])
 def test_opcheck_backward(ext, output_mask):
@@ -417,7 +447,7 @@ def _records_op_calls():
 
 
 def _op_called(prof) -> bool:
-    return any(e.name == "gn_patch::group_norm_act" for e in prof.events())
+    return any(e.name in tiny_models.KERNEL_OPS for e in prof.events())
 
 
 def test_kernel_path_takes_the_op_and_matches_stock(kernel_path_on_cpu):
@@ -617,7 +647,7 @@ def test_export_keeps_the_op(kernel_path_on_cpu):
     with _records_op_calls() as prof:
         assert_close(exported.module()(x), stock(x), **TOLERANCES[torch.float32], what="exported")
     assert _op_called(prof)
-    assert "gn_patch.group_norm_act.default" in targets(exported.run_decompositions())
+    assert targets(exported.run_decompositions()) & set(tiny_models.KERNEL_TARGETS)
 
 
 def test_no_grad_runs_the_op_without_recording(kernel_path_on_cpu):
@@ -633,6 +663,27 @@ def test_no_grad_runs_the_op_without_recording(kernel_path_on_cpu):
     torch.testing.assert_close(y, recorded.detach(), rtol=0, atol=0)
     frozen = gn_patch.group_norm_act(x.detach(), 4, w.detach(), b.detach())
     assert frozen.grad_fn is None
+    torch.testing.assert_close(frozen, y, rtol=0, atol=0)
+
+
+def test_calls_recording_nothing_take_the_inference_op(kernel_path_on_cpu):
+    """Where autograd records nothing (no_grad, or no input requiring a gradient) the dispatching op calls the
+    inference op (y alone: no mean or rstd allocated); where it records, the kernels' op with its statistics."""
+    x = random_input((2, 8, 4, 4), torch.float32, "cpu")
+    w, b = affine(8)
+    def ops_called(*args):
+        with _records_op_calls() as prof:
+            y = gn_patch.group_norm_act(*args)
+        return y, {e.name for e in prof.events()} & set(tiny_models.KERNEL_OPS)
+
+    with torch.no_grad():
+        y, called = ops_called(x, 4, w.requires_grad_(True), b)
+    assert called == {"gn_patch::group_norm_act_inference"}
+    frozen, called = ops_called(x, 4, w.detach(), b)
+    assert called == {"gn_patch::group_norm_act_inference"}
+    recorded, called = ops_called(x, 4, w, b)
+    assert called == {"gn_patch::group_norm_act"} and recorded.grad_fn is not None
+    torch.testing.assert_close(y, recorded.detach(), rtol=0, atol=0)
     torch.testing.assert_close(frozen, y, rtol=0, atol=0)
 
 

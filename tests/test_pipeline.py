@@ -333,7 +333,7 @@ def test_torch_compile_inductor_cuda():
         expected = unet(**inputs).sample
         with OpCounter() as counter:
             unet(**inputs)
-        assert counter.calls["gn_patch::group_norm_act"] > 0  # the kernels run in eager mode
+        assert counter.kernel_calls > 0  # the kernels run in eager mode
         assert rel_l2(compiled(**inputs).sample, expected) < 2e-3
     torch._dynamo.reset()
 
@@ -358,7 +358,7 @@ def test_enable_model_cpu_offload_cuda():
     assert all(pipe.components[name]._hf_hook is hook for name, hook in hooks.items())
     with OpCounter() as counter:
         images = run(pipe)
-    assert counter.calls["gn_patch::group_norm_act"] > 0
+    assert counter.kernel_calls > 0
     assert pipe.unet.device.type == "cpu"  # offloaded again after the call
     mse = float(np.mean((images.astype(np.float64) - expected) ** 2))
     assert mse < 1e-5  # PSNR above 50 dB against stock float16

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gn_patch import GroupNormAct, configs, extension, rules, surgeon
 from gn_patch.rules.sampling import nearest_upsample_2x
 from gn_patch.surgeon import PatchReport, patch_model, unpatch_model
-from .tiny_models import (OpCounter, assert_same_outputs, controlnet_inputs, is_channels_last, make_model,
+from .tiny_models import (KERNEL_OPS, OpCounter, assert_same_outputs, controlnet_inputs, is_channels_last, make_model,
                           module_types, outputs, perturb_, randn, rel_l2, sd15_unet_inputs, sdxl_unet_inputs,
                           svd_unet_inputs, tiny_controlnet, tiny_sd15_unet, tiny_sdxl_unet, tiny_svd_unet, tiny_vae)
 
@@ -214,13 +214,13 @@ def _run_resnet_recording(conv1_wrapped: str | None, device: str, dtype: torch.d
         patched.norm2.register_forward_pre_hook(lambda *_: fired.append(True))
     x = randn(2, 32, 8, 8).to(device, dtype, memory_format=torch.channels_last)
     temb = randn(2, block.time_emb_proj.in_features, seed=1).to(device, dtype) if block.time_emb_proj else None
-    with torch.set_grad_enabled(grad), _OpArguments("gn_patch::group_norm_act", "aten::convolution") as recorded:
+    with torch.set_grad_enabled(grad), _OpArguments(*KERNEL_OPS, "aten::convolution") as recorded:
         y = patched(x.requires_grad_(grad), temb)
     with torch.no_grad():
         expected = block(x, temb)
     biases = [args[2] for name, args in recorded.calls if name == "aten::convolution"]
     terms = [tuple(args[i] if len(args) > i else None for i in (8, 9))
-             for name, args in recorded.calls if name == "gn_patch::group_norm_act"]
+             for name, args in recorded.calls if name in KERNEL_OPS]
     return y, expected, bool(fired), biases, terms
 
 
@@ -1212,7 +1212,7 @@ def test_half_precision_accuracy_cuda(case, dtype, exact_fp32_reference):
             patched = outputs(run(model, _caster(dtype)))
     assert report.patched and report.skipped == []
     # every fused GroupNorm the forward runs (once each) took the kernel: activations flow channels-last
-    assert counter.calls["gn_patch::group_norm_act"] == sum(name.startswith(prefix) for name, _ in report.patched)
+    assert counter.kernel_calls == sum(name.startswith(prefix) for name, _ in report.patched)
     for p, s, r in zip(patched, stock, reference):
         stock_error, patched_error = rel_l2(s, r), rel_l2(p, r)
         assert torch.isfinite(p).all() and torch.isfinite(s).all()
@@ -1238,7 +1238,7 @@ def test_channels_last_activations_mode_runs_the_kernels_cuda(case):
         expected = outputs(run(weights_mode, cast))
         with OpCounter() as counter:
             actual = outputs(run(activations_mode, cast))
-    assert counter.calls["gn_patch::group_norm_act"] == sum(name.startswith(prefix) for name, _ in report.patched)
+    assert counter.kernel_calls == sum(name.startswith(prefix) for name, _ in report.patched)
     for a, e in zip(actual, expected):
         assert torch.isfinite(a).all() and rel_l2(a, e) <= 1e-3, rel_l2(a, e)
 
@@ -1352,7 +1352,7 @@ def test_temporal_transformer_copies_nothing_cuda(name):
     x = randn(2 * 3, 32, 8, 8).cuda().half().to(memory_format=torch.channels_last)
     expected, actual, stock_ops, patched_ops = _stock_and_patched_temporal(model, _temporal_call(name, x))
     assert _copies(patched_ops) == 0 and _copies(stock_ops) >= 2, (stock_ops.calls, patched_ops.calls)
-    assert patched_ops.calls["gn_patch::group_norm_act"] == 1
+    assert patched_ops.kernel_calls == 1
     assert is_channels_last(actual)
     assert rel_l2(actual, expected) < 2e-3
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gn_patch import GroupNormAct
 from gn_patch.surgeon import patch_model, unpatch_model
 from . import tiny_models
-from .tiny_models import (CudnnConv3dLayout, assert_same_outputs, is_channels_last, make_model,
+from .tiny_models import (KERNEL_OPS, CudnnConv3dLayout, assert_same_outputs, is_channels_last, make_model,
                           module_types, outputs, rel_l2)
 from .zoo import ZOO, count_group_norms, inputs_on
 
@@ -182,7 +182,7 @@ def _relative_errors(actual: list[torch.Tensor], reference: list[torch.Tensor]) 
 
 
 class KernelCalls:
-    """Counts, inside the ``with`` block, the calls of the kernels' op (``gn_patch::group_norm_act``, seen by the
+    """Counts, inside the ``with`` block, the calls of the kernels' ops (KERNEL_OPS, seen by the
     profiler, whatever dispatches it) and the GroupNormAct calls the kernels must take: channels-last CUDA input
     of a kernel dtype, weights of that dtype or float32."""
 
@@ -210,7 +210,7 @@ class KernelCalls:
 
     @property
     def kernel_ops(self) -> int:
-        return sum(event.name == "gn_patch::group_norm_act" for event in self.profile.events())
+        return sum(event.name in KERNEL_OPS for event in self.profile.events())
 
 
 @pytest.fixture

@@ -126,9 +126,15 @@ def assert_same_outputs(actual, expected, tol: float = 1e-5) -> None:
         assert rel_l2(a, e) <= tol, f"relative L2 difference {rel_l2(a, e):.3g} > {tol}"
 
 
+# The kernels' ops, by schema name: group_norm_act where autograd records the call, group_norm_act_inference where it
+# records nothing (no_grad, or no input requiring a gradient); and as the targets of traced graphs.
+KERNEL_OPS = ("gn_patch::group_norm_act", "gn_patch::group_norm_act_inference")
+KERNEL_TARGETS = tuple(name.replace("::", ".") + ".default" for name in KERNEL_OPS)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ATen and custom ops dispatched inside the ``with`` block, by schema name
-    (``gn_patch::group_norm_act``: the fused CUDA kernels ran)."""
+    (KERNEL_OPS, summed by ``kernel_calls``: the fused CUDA kernels ran)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,6 +143,10 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls[func._schema.name] += 1
         return func(*args, **(kwargs or {}))
+
+    @property
+    def kernel_calls(self) -> int:
+        return sum(self.calls[name] for name in KERNEL_OPS)
 
 
 def is_channels_last(x: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ Environment: ``GN_PATCH_BUILD_DIR`` overrides the cache folder (default ``~/.cac
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import site
@@ -257,6 +258,22 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
 
 _loaded: bool | None = None  # None: not tried yet
 loaded = False  # the extension's ops (kernels, autograd, dispatch) are registered: gn_patch.ops calls them
+# Once loaded: the library's Python function group_norm_act_dispatch (csrc/python_entry.cpp), which calls the
+# dispatching op from C++ without the OpOverload's per-call argument parsing.
+entry = None
+
+
+def _python_module(library: Path):
+    """The loaded library as the Python module gn_patch.gn_patch_C (its ops are registered already: importing it
+    runs only its module init).
+
+    Raises:
+        ImportError: the library has no module init (compiled from sources without csrc/python_entry.cpp).
+    """
+    spec = importlib.util.spec_from_file_location(f"{__package__}.{EXTENSION_NAME}", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @torch.compiler.assume_constant_result
@@ -266,10 +283,14 @@ def kernels_available() -> bool:
     Never raises: when the build fails it warns once and returns False, and gn_patch then computes every
     call with PyTorch's GroupNorm. Constant for torch.compile (the build happens at trace time, not per call).
     """
-    global _loaded, loaded
+    global _loaded, loaded, entry
     if _loaded is None:
         try:
-            build()
+            library = build()
+            try:
+                entry = _python_module(library).group_norm_act_dispatch
+            except ImportError as exc:
+                raise BuildError(f"{library} loaded, but not as a Python module: {exc}") from exc
             _loaded = loaded = True
         except BuildError as exc:
             warnings.warn(f"gn_patch: CUDA kernels unavailable, using PyTorch's GroupNorm instead. Cause: {exc}",

@@ -485,6 +485,11 @@ def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: st
     if extension.loaded or (isinstance(x, torch.Tensor) and x.is_cuda and extension.kernels_available()):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
+        if extension.entry is not None and not torch.compiler.is_compiling():  # Dynamo traces the OpOverload
+            y = extension.entry(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
+                                frames_last)
+            if y is not None:
+                return y
         return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
                          frames_last)
     return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,

@@ -2,6 +2,8 @@
 PyTorch's path (in Python before the extension loads, in C++ after), errors, op registration (schema, fake, the
 C++ autograd), the reference forward and backward formulas the kernels implement, transforms and tracing."""
 
+from typing import ClassVar
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,7 @@ SHAPES = {
 }
 OP = torch.ops.gn_patch.group_norm_act.default
 INFERENCE_OP = torch.ops.gn_patch.group_norm_act_inference.default
+DISPATCH = torch.ops.gn_patch.group_norm_act_dispatch.default
 OP_BWD = torch.ops.gn_patch.group_norm_act_backward.default
 ALL_GRADS = [True] * 5
 
@@ -168,6 +171,84 @@ class TestErrors:
     def test_parameter_not_a_tensor(self, name, host_path):
         with pytest.raises(TypeError, match=f"{name} must be a tensor or None, got list"):
             gn_patch.group_norm_act(torch.randn(2, 8, 3, 3), 4, **{name: [1.0] * 8})
+
+
+class TestPythonEntry:
+    """gn_patch_C.group_norm_act_dispatch (csrc/python_entry.cpp): the dispatching op called from C++ for eager calls,
+    with the OpOverload's results, errors and autograd; what __torch_function__ must see goes through the OpOverload."""
+
+    @staticmethod
+    def _args(x, num_groups=4, weight=None, bias=None, eps=1e-5, activation="silu", offset=None, frames_last=False):
+        return (x, num_groups, weight, bias, eps, activation, None, None, offset, None, frames_last)
+
+    def test_entry_computes_what_the_op_overload_computes(self, ext):
+        assert extension.entry is not None
+        x = random_input((2, 8, 3, 3), torch.float32, "cpu").requires_grad_(True)
+        w, b = (t.requires_grad_(True) for t in affine(8))
+        offset = torch.randn(2, 8, 1, 1)
+        y = extension.entry(*self._args(x, 4, w, b, offset=offset))
+        expected = DISPATCH(*self._args(x, 4, w, b, offset=offset))
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+        grads = torch.autograd.grad(y.sum(), (x, w, b))
+        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (x, w, b))):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def test_entry_raises_the_op_overloads_errors(self, ext):
+        for args, error in [(self._args(torch.randn(2, 6, 3, 3)), RuntimeError),
+                            (self._args(torch.randn(2, 8, 3, 3), activation="tanh"), ValueError),
+                            (self._args(torch.ones(2, 8, 3, 3, dtype=torch.int64)), TypeError)]:
+            with pytest.raises(error) as raw:
+                DISPATCH(*args)
+            with pytest.raises(error) as entry:
+                extension.entry(*args)
+            assert str(entry.value) == str(raw.value)
+        with pytest.raises(TypeError, match="takes 11 positional arguments, got 2"):
+            extension.entry(torch.randn(2, 8, 3, 3), 4)
+
+    def test_entry_declines_what_the_op_overload_must_take(self, ext):
+        class Subclass(torch.Tensor):
+            pass
+
+        x = torch.randn(2, 8, 3, 3)
+        declined = [self._args(x.as_subclass(Subclass)), self._args(x, eps=0), self._args(x, num_groups=True),
+                    self._args(x, weight=[1.0] * 8), self._args(x, offset=1.5),
+                    (*self._args(x)[:-1], 0)]
+        for args in declined:
+            assert extension.entry(*args) is None
+        with _FunctionRecorder():
+            assert extension.entry(*self._args(x)) is None
+
+    def test_torch_function_sees_the_calls_the_entry_declines(self, ext):
+        """A __torch_function__ mode, or a tensor subclass overriding it, sees the dispatching op's OpOverload, as
+        before the entry; the result is the same."""
+        x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+        expected = gn_patch.group_norm_act(x, 4)
+        with _FunctionRecorder() as recorder:
+            y = gn_patch.group_norm_act(x, 4)
+        assert DISPATCH in recorder.funcs
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+        class Recording(torch.Tensor):
+            funcs: ClassVar[list] = []
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                cls.funcs.append(func)
+                return super().__torch_function__(func, types, args, kwargs or {})
+
+        y = gn_patch.group_norm_act(x.as_subclass(Recording), 4)
+        assert DISPATCH in Recording.funcs
+        torch.testing.assert_close(y.as_subclass(torch.Tensor), expected, rtol=0, atol=0)
+
+
+class _FunctionRecorder(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.funcs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 class TestRawOpArguments:

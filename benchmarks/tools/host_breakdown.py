@@ -27,7 +27,9 @@ def candidates():
     module = GroupNormAct(groups, CPU_SHAPE[1], eps=eps).to("cuda", torch.float16)
     w, b = module.weight.detach(), module.bias.detach()
     raw = torch.ops.gn_patch.group_norm_act.default
+    inference = torch.ops.gn_patch.group_norm_act_inference.default
     dispatch = torch.ops.gn_patch.group_norm_act_dispatch.default
+    entry = extension.entry
     x_empty = x[:0]
     return {
         "torch.empty((2, 32)) [one allocation]": lambda: torch.empty((2, 32), device="cuda"),
@@ -36,7 +38,13 @@ def candidates():
         "torch.add(x, 1) [one op, one launch]": lambda: torch.add(x, 1),
         "F.group_norm + F.silu (channels_last)": lambda: F.silu(F.group_norm(x, groups, w, b, eps)),
         "raw op gn_patch::group_norm_act": lambda: raw(x, w, b, None, None, groups, eps, "silu"),
+        "inference op gn_patch::group_norm_act_inference [no mean, rstd]":
+            lambda: inference(x, w, b, None, None, groups, eps, "silu"),
         "dispatch op gn_patch::group_norm_act_dispatch": lambda: dispatch(x, groups, w, b, eps, "silu", None, None),
+        "dispatch op, all 11 arguments [GroupNormAct's call before the entry]":
+            lambda: dispatch(x, groups, w, b, eps, "silu", None, None, None, None, False),
+        "entry gn_patch_C.group_norm_act_dispatch [the same call from C++]":
+            lambda: entry(x, groups, w, b, eps, "silu", None, None, None, None, False),
         "gn_patch.ops._group_norm_act": lambda: ops._group_norm_act(x, groups, w, b, eps, "silu"),
         "GroupNormAct module": lambda: module(x),
         "raw op, N = 0 [checks, three allocations, no launch]":

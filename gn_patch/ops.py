@@ -44,6 +44,7 @@ ACTIVATIONS = {
     "mish": F.mish,
 }
 _ALIASES = {"swish": "silu", "none": "identity", None: "identity"}
+_CANONICAL = {**{name: name for name in ACTIVATIONS}, **_ALIASES}
 
 _lib = torch.library.Library("gn_patch", "DEF")
 _lib.define(
@@ -79,6 +80,9 @@ def canonical_activation(activation: str | None) -> str:
     Raises:
         ValueError: unknown name, or not a string or None.
     """
+    name = _CANONICAL.get(activation) if isinstance(activation, (str, type(None))) else None
+    if name is not None:  # a canonical name or alias as spelled here: the per-call case
+        return name
     key = activation.lower() if isinstance(activation, str) else activation
     name = _ALIASES.get(key, key) if isinstance(key, (str, type(None))) else None
     if name not in ACTIVATIONS:  # the C++ ops' message (csrc/op_checks.h)
@@ -93,6 +97,8 @@ def check_num_groups(num_groups):
     exactly (a numpy integer, a one-element integer tensor). Raises TypeError for anything else, ValueError unless
     it is positive. Skipped while torch.compile traces (a symbolic int is no int to Dynamo; returned as given): the
     op's schema and C++ checks still apply."""
+    if type(num_groups) is int and num_groups > 0:  # the per-call case, checked first: it costs a call nothing more
+        return num_groups
     if torch.compiler.is_compiling() or isinstance(num_groups, torch.SymInt):
         return num_groups
     bool_tensor = isinstance(num_groups, torch.Tensor) and num_groups.dtype == torch.bool
@@ -111,6 +117,8 @@ def check_eps(eps):
     takes, a one-element real tensor. Raises TypeError for anything else, ValueError unless it is finite and >= 0.
     Skipped while torch.compile traces (a symbolic float under dynamic=True would be traced through math.isfinite;
     returned as given): the op's schema and C++ checks still apply."""
+    if type(eps) is float and 0 <= eps < math.inf:  # the per-call case, checked first
+        return eps
     if torch.compiler.is_compiling() or isinstance(eps, torch.SymFloat):
         return eps
     real_tensor = (isinstance(eps, torch.Tensor) and eps.numel() == 1
@@ -556,9 +564,13 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     num_groups, eps = check_num_groups(num_groups), check_eps(eps)
-    for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
-                    ("input_bias", input_bias)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
+    tensor = torch.Tensor
+    if not ((weight is None or isinstance(weight, tensor)) and (bias is None or isinstance(bias, tensor))
+            and (scale is None or isinstance(scale, tensor)) and (shift is None or isinstance(shift, tensor))
+            and (input_bias is None or isinstance(input_bias, tensor))):
+        for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
+                        ("input_bias", input_bias)):
+            if t is not None and not isinstance(t, tensor):
+                raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,
                            input_offset, input_bias, bool(frames_last))

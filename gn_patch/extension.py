@@ -200,7 +200,8 @@ def _say(message: str) -> None:
 
 
 def build(arch: str | None = None, verbose: bool = False) -> Path:
-    """Load the extension, compiling it first where needed; return the path of the shared library.
+    """Load the extension (its ops, and its Python function as ``entry``), compiling it first where needed; return
+    the path of the shared library.
 
     Loads the library compiled at install time when it fits (see prebuilt_library), else compiles the sources
     (see source_directory) into build_directory(arch), which ninja skips when they are up to date. A compile
@@ -216,6 +217,7 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
     prebuilt = prebuilt_library(arch)
     if prebuilt is not None:
         torch.ops.load_library(str(prebuilt))
+        _load_entry(prebuilt)
         return prebuilt
     sources = source_files(source_directory())
     cuda_home = _cuda_home()
@@ -253,6 +255,7 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous
     if first_build:
         _say(f"CUDA kernels compiled in {time.perf_counter() - start:.0f} s")
+    _load_entry(library)
     return library
 
 
@@ -263,17 +266,21 @@ loaded = False  # the extension's ops (kernels, autograd, dispatch) are register
 entry = None
 
 
-def _python_module(library: Path):
-    """The loaded library as the Python module gn_patch.gn_patch_C (its ops are registered already: importing it
-    runs only its module init).
+def _load_entry(library: Path) -> None:
+    """Set ``entry`` from the loaded library, imported as the Python module gn_patch.gn_patch_C (its ops are
+    registered already: the import runs only its module init).
 
     Raises:
-        ImportError: the library has no module init (compiled from sources without csrc/python_entry.cpp).
+        BuildError: the library is no Python module (compiled from sources without csrc/python_entry.cpp).
     """
-    spec = importlib.util.spec_from_file_location(f"{__package__}.{EXTENSION_NAME}", library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    global entry
+    try:
+        spec = importlib.util.spec_from_file_location(f"{__package__}.{EXTENSION_NAME}", library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        entry = module.group_norm_act_dispatch
+    except (ImportError, AttributeError) as exc:
+        raise BuildError(f"{library} loaded, but not as gn_patch's Python module: {exc}") from exc
 
 
 @torch.compiler.assume_constant_result
@@ -283,14 +290,10 @@ def kernels_available() -> bool:
     Never raises: when the build fails it warns once and returns False, and gn_patch then computes every
     call with PyTorch's GroupNorm. Constant for torch.compile (the build happens at trace time, not per call).
     """
-    global _loaded, loaded, entry
+    global _loaded, loaded
     if _loaded is None:
         try:
-            library = build()
-            try:
-                entry = _python_module(library).group_norm_act_dispatch
-            except ImportError as exc:
-                raise BuildError(f"{library} loaded, but not as a Python module: {exc}") from exc
+            build()
             _loaded = loaded = True
         except BuildError as exc:
             warnings.warn(f"gn_patch: CUDA kernels unavailable, using PyTorch's GroupNorm instead. Cause: {exc}",

@@ -91,8 +91,25 @@ def test_prebuilt_library_is_used_where_it_fits(prebuilt, monkeypatch):
         pytest.skip("build() needs a CUDA build of torch")
     loaded = []
     monkeypatch.setattr(extension.torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(extension, "_load_entry", loaded.append)
     monkeypatch.setattr(extension, "_cuda_home", lambda: pytest.fail("a prebuilt library needs no toolkit"))
-    assert extension.build("9.0") == library and loaded == [str(library)]
+    assert extension.build("9.0") == library and loaded == [str(library), library]
+
+
+def test_library_without_its_python_module_is_a_build_error(tmp_path, monkeypatch):
+    """A library that cannot be imported as gn_patch's Python module (compiled from sources without
+    csrc/python_entry.cpp) is a BuildError, which turns the kernels off with a warning, not an ImportError."""
+    monkeypatch.setattr(extension, "entry", None)
+    library = tmp_path / f"gn_patch_C{EXTENSION_SUFFIXES[0]}"
+    library.write_bytes(b"")
+    with pytest.raises(extension.BuildError, match="loaded, but not as gn_patch's Python module"):
+        extension._load_entry(library)
+    assert extension.entry is None
+
+
+def test_loaded_library_is_its_python_module(ext):
+    """The library the tests loaded is also the Python module whose function the op layer calls."""
+    assert callable(extension.entry) and extension.entry.__module__ == "gn_patch.gn_patch_C"
 
 
 @pytest.mark.parametrize("changes, arch", [({"torch": "0.0.1"}, "9.0"), ({"cuda": "1.0"}, "9.0"), ({}, "10.0")])

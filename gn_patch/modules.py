@@ -75,8 +75,14 @@ class GroupNormAct(nn.GroupNorm):
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                 input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None,
                 frames_last: bool = False) -> torch.Tensor:
-        return _group_norm_act(x, self.num_groups, self.weight, self.bias, self.eps, self.activation, scale, shift,
-                               input_offset, input_bias, bool(frames_last))
+        # weight and bias from _parameters: nn.Module.__getattr__, a Python call per attribute, cost about a third of
+        # the module's own Python per call. A parametrization (torch.nn.utils.parametrize) or weight_norm takes the
+        # name out of _parameters: the attribute then serves, as for nn.GroupNorm.
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
+        return _group_norm_act(x, self.num_groups, weight, bias, self.eps, self.activation, scale, shift, input_offset,
+                               input_bias, bool(frames_last))
 
     def __prepare_scriptable__(self):
         raise RuntimeError("GroupNormAct does not support TorchScript: torch.jit.script cannot compile its forward, "

@@ -80,6 +80,35 @@ class TestModule:
         x = torch.randn(3, 8, 4)
         torch.testing.assert_close(fused(x), F.silu(F.group_norm(x, 2)))
 
+    @pytest.mark.parametrize("replaced", ["parametrize", "weight_norm", "functional_call", "deleted_and_assigned"])
+    def test_forward_reads_the_weight_as_the_attribute_gives_it(self, replaced):
+        """forward takes weight and bias from _parameters where they are there, else from the attribute: a
+        parametrization, weight_norm, torch.func.functional_call and a plain tensor assigned after `del` all give
+        what F.group_norm computes with module.weight and module.bias."""
+        torch.manual_seed(0)
+        fused = gn_patch.GroupNormAct(2, 8)
+        x, doubled = torch.randn(2, 8, 3, 3), torch.randn(8)
+        if replaced == "parametrize":
+            class Double(torch.nn.Module):
+                def forward(self, w):
+                    return 2 * w
+
+            torch.nn.utils.parametrize.register_parametrization(fused, "weight", Double())
+            call = fused
+        elif replaced == "weight_norm":
+            call = torch.nn.utils.weight_norm(fused, dim=0)
+        elif replaced == "functional_call":
+            def call(x):
+                return torch.func.functional_call(fused, {"weight": doubled}, (x,))
+        else:
+            del fused.weight
+            fused.weight = doubled
+            call = fused
+        y = call(x)
+        weight = doubled if replaced == "functional_call" else fused.weight
+        torch.testing.assert_close(y, F.silu(F.group_norm(x, 2, weight, fused.bias, fused.eps)), rtol=0, atol=0)
+        assert y.grad_fn is not None
+
 
 def test_compile_module_fullgraph():
     module = gn_patch.GroupNormAct(4, 8)

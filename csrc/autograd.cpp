@@ -228,20 +228,6 @@ bool has_forward_grad(const at::Tensor& x, Inputs inputs) {
          });
 }
 
-// The inference op has no derivative: the dispatching op calls it only where nothing is recorded.
-at::Tensor group_norm_act_inference_autograd(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                                             const OptTensor& scale, const OptTensor& shift, int64_t num_groups,
-                                             double eps, c10::string_view activation, const OptTensor& input_offset,
-                                             const OptTensor& input_bias, bool frames_last) {
-  const Inputs inputs = {&weight, &bias, &scale, &shift, &input_offset, &input_bias};
-  TORCH_CHECK(!records_gradient(x, inputs) && !has_forward_grad(x, inputs),
-              "gn_patch::group_norm_act_inference has no derivative: call gn_patch::group_norm_act (or "
-              "gn_patch.group_norm_act) where a gradient is needed");
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return inference_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias,
-                             frames_last);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at::Tensor& x, const OptTensor& weight,
                                                                        const OptTensor& bias, const OptTensor& scale,
                                                                        const OptTensor& shift, int64_t num_groups,
@@ -271,6 +257,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_act_autograd(const at:
   const variable_list out = GroupNormActFunction::apply(x, weight, bias, scale, shift, num_groups, eps, activation,
                                                         frames_last, &statistics);
   return {out[0], statistics[0], statistics[1]};
+}
+
+// The dispatching op calls the inference op only where autograd records nothing; a graph traced there (make_fx,
+// torch.export's run_decompositions) holds it and may run with gradients: y then comes from group_norm_act and its
+// Function, as the dispatching op would have chosen.
+at::Tensor group_norm_act_inference_autograd(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                             const OptTensor& scale, const OptTensor& shift, int64_t num_groups,
+                                             double eps, c10::string_view activation, const OptTensor& input_offset,
+                                             const OptTensor& input_bias, bool frames_last) {
+  const Inputs inputs = {&weight, &bias, &scale, &shift, &input_offset, &input_bias};
+  if (records_gradient(x, inputs) || has_forward_grad(x, inputs)) {
+    return std::get<0>(group_norm_act_autograd(x, weight, bias, scale, shift, num_groups, eps, activation,
+                                               input_offset, input_bias, frames_last));
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return inference_op().call(x, weight, bias, scale, shift, num_groups, eps, activation, input_offset, input_bias,
+                             frames_last);
 }
 
 // Tests route channels-last CPU inputs to the op's CPU implementation as if it were the CUDA kernels, so that the

@@ -43,6 +43,10 @@ bool read_optional(PyObject* obj, OptTensor& out) {
 // group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
 // frames_last) -> y, or None where the OpOverload must take the call; positional, as the op's schema orders them.
 PyObject* group_norm_act_dispatch(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  at::Tensor y;
+  // The op's C++ warnings reach Python's warnings as PyTorch's own bindings hand them on. y is wrapped after the
+  // handler's scope: a warning that a filter turns into an exception is raised as the scope closes, and would leave
+  // a result wrapped inside it unreferenced.
   HANDLE_TH_ERRORS
   if (nargs != 11) {
     PyErr_Format(PyExc_TypeError, "group_norm_act_dispatch takes 11 positional arguments, got %zd", nargs);
@@ -62,18 +66,18 @@ PyObject* group_norm_act_dispatch(PyObject* /*module*/, PyObject* const* args, P
   if (overflow != 0) Py_RETURN_NONE;  // the op's own check reports it
   Py_ssize_t length = 0;
   const char* activation = PyUnicode_AsUTF8AndSize(args[5], &length);
-  if (activation == nullptr) return nullptr;
+  if (activation == nullptr) {  // not UTF-8 encodable (a lone surrogate): the OpOverload's schema error
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   const at::Tensor& x = THPVariable_Unpack(args[0]);
   const double eps = PyFloat_AS_DOUBLE(args[4]);
   const bool frames_last = args[10] == Py_True;
-  at::Tensor y;
-  {
-    pybind11::gil_scoped_release no_gil;  // as PyTorch's own bindings call ops
-    y = dispatch_op().call(x, num_groups, opt[0], opt[1], eps, c10::string_view(activation, length), opt[2], opt[3],
-                           opt[4], opt[5], frames_last);
-  }
-  return THPVariable_Wrap(std::move(y));
+  pybind11::gil_scoped_release no_gil;  // as PyTorch's own bindings call ops
+  y = dispatch_op().call(x, num_groups, opt[0], opt[1], eps, c10::string_view(activation, length), opt[2], opt[3],
+                         opt[4], opt[5], frames_last);
   END_HANDLE_TH_ERRORS
+  return THPVariable_Wrap(std::move(y));
 }
 
 PyMethodDef methods[] = {

@@ -2,6 +2,8 @@
 PyTorch's path (in Python before the extension loads, in C++ after), errors, op registration (schema, fake, the
 C++ autograd), the reference forward and backward formulas the kernels implement, transforms and tracing."""
 
+import gc
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -205,6 +207,25 @@ class TestPythonEntry:
         with pytest.raises(TypeError, match="takes 11 positional arguments, got 2"):
             extension.entry(torch.randn(2, 8, 3, 3), 4)
 
+    def test_warning_raised_as_an_error_leaves_no_tensor_behind(self, ext):
+        """The op's C++ warnings reach Python's warnings (functorch's fallback warns under vmap); where a filter
+        raises one, the call raises it and its output is not left alive."""
+        x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+        batch = torch.stack([x, x])
+        call = torch.func.vmap(lambda v: extension.entry(*self._args(v)))
+
+        def live_tensors():
+            gc.collect()
+            return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+        before = live_tensors()
+        for _ in range(3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(UserWarning, match="batching rule"):
+                    call(batch)
+        assert live_tensors() == before
+
     def test_entry_declines_what_the_op_overload_must_take(self, ext):
         class Subclass(torch.Tensor):
             pass
@@ -213,6 +234,7 @@ class TestPythonEntry:
         declined = [self._args(x.as_subclass(Subclass)), self._args(x, eps=0), self._args(x, num_groups=True),
                     self._args(x, weight=[1.0] * 8), self._args(x, offset=1.5),
                     (*self._args(x)[:-1], 0)]
+        declined.append(self._args(x, activation="silu\ud800"))  # not UTF-8 encodable: the OpOverload's error
         for args in declined:
             assert extension.entry(*args) is None
         with _FunctionRecorder():
@@ -371,19 +393,44 @@ def test_opcheck_inference(ext):
         torch.testing.assert_close(INFERENCE_OP(*args), OP(*args)[0], rtol=0, atol=0)
 
 
-def test_inference_op_refuses_a_gradient(ext):
-    """The inference op has no derivative: asked to record one (grad mode, an input requiring a gradient) or to
-    carry a forward-mode tangent, it raises instead of returning a y without history."""
-    x = random_input((2, 8, 3, 3), torch.float32, "cpu")
-    w, b = affine(8)
-    with pytest.raises(RuntimeError, match="has no derivative"):
-        INFERENCE_OP(x, w.requires_grad_(True), b, None, None, 4, 1e-5, "silu")
-    with torch.no_grad():
-        INFERENCE_OP(x, w, b, None, None, 4, 1e-5, "silu")  # nothing to record
+def test_inference_op_records_gradients_as_group_norm_act(ext):
+    """Where autograd records the call (a graph traced without gradients, then run with them), the inference op's
+    y has group_norm_act's history: the same values and gradients; forward-mode AD is refused as there."""
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu").requires_grad_(True)
+    w, b = (t.requires_grad_(True) for t in affine(8))
+    offset = random_input((2, 8), torch.float32, "cpu", seed=3)
+    y = INFERENCE_OP(x, w, b, None, None, 4, 1e-5, "gelu", offset)
+    expected = OP(x, w, b, None, None, 4, 1e-5, "gelu", offset)[0]
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    dy = torch.randn_like(y)
+    for got, want in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(expected, (x, w, b), dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     import torch.autograd.forward_ad as fwAD
 
-    with fwAD.dual_level(), pytest.raises(RuntimeError, match="has no derivative"):
-        INFERENCE_OP(fwAD.make_dual(x, torch.ones_like(x)), w.detach(), b, None, None, 4, 1e-5, "silu")
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
+        with pytest.raises(RuntimeError) as full:
+            OP(dual, w.detach(), b.detach(), None, None, 4, 1e-5, "silu")
+        with pytest.raises(RuntimeError) as inference:
+            INFERENCE_OP(dual, w.detach(), b.detach(), None, None, 4, 1e-5, "silu")
+    assert str(inference.value) == str(full.value)
+
+
+def test_graph_traced_without_gradients_runs_with_them(kernel_path_on_cpu):
+    """make_fx of a call with nothing requiring a gradient records the inference op; run on inputs that require
+    one, the graph gives the eager call's output and gradients (break-it pass, session 24)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = random_input((2, 8, 4, 4), torch.float32, "cpu")
+    w, b = affine(8)
+    graph = make_fx(lambda x, w, b: gn_patch.group_norm_act(x, 4, w, b))(x, w, b)
+    assert "gn_patch.group_norm_act_inference.default" in {str(n.target) for n in graph.graph.nodes}
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    eager_leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y, expected = graph(*leaves), gn_patch.group_norm_act(eager_leaves[0], 4, *eager_leaves[1:])
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(y.sum(), leaves), torch.autograd.grad(expected.sum(), eager_leaves)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("output_mask", [[True, False, False, False, False], [False, True, True, False, False],

@@ -7,7 +7,8 @@ compiled extension, csrc/, loaded on first use by gn_patch.extension):
   input_bias=None, frames_last=False) -> (y, mean, rstd)``: the kernels' op. CUDA: any layout (non-channels-last
   inputs through a channels-last copy); CPU: the reference implementation (same formulas, float32 statistics).
 * ``gn_patch::group_norm_act_inference(...)``: the same arguments, y alone (no mean or rstd allocated), for calls
-  that record no gradient; it has no derivative.
+  that record no gradient; where autograd does record one (a graph traced under no_grad, run with gradients), y and
+  its history are group_norm_act's.
 * ``gn_patch::group_norm_act_backward(...)``: its fused backward (dx, dweight, dbias, dscale, dshift).
 * ``gn_patch::group_norm_act_dispatch(x, num_groups, weight, bias, eps, activation, scale, shift,
   input_offset=None, input_bias=None, frames_last=False) -> y``: what :func:`group_norm_act` and

@@ -4,8 +4,8 @@
 // benchmarks/NOTES.md, session 24), a large part of an inference call; here the arguments are read straight from the
 // Python objects and the op is called unboxed, through the dispatcher (autograd, autocast, tracing and dispatch
 // modes see the same call). Where an argument is not a plain tensor, None, int, float, str or bool (a tensor
-// subclass or a __torch_function__ mode, which the OpOverload would hand to __torch_function__; a number as eps'
-// or input_offset's value), it returns None and the caller calls the OpOverload.
+// subclass or a __torch_function__ mode, which the OpOverload would hand to __torch_function__; an int as eps, a
+// number as input_offset), it returns None and the caller calls the OpOverload.
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/Exceptions.h>

@@ -374,6 +374,9 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
     // kernel_covers and term_fusable leave out forward-mode AD: only a gradient to record decides.
     if (!records_gradient(x, {&weight, &bias, &scale, &shift, &input_offset, &input_bias})) {
+      // Below autograd: the inference op's Autograd kernel would ask again what was just asked (one dispatcher
+      // round trip less per inference call). Modes, tracers and autocast still see the call.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       return inference_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps, activation,
                                  per_sample(input_offset), input_bias, frames_last);
     }

@@ -4,6 +4,7 @@
 // of the input's device. No host synchronisation: the ops can be captured in CUDA graphs.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -71,6 +72,20 @@ Geometry geometry(Pass pass, const at::Tensor& x, int64_t num_groups, Act act,
   return make_geometry(pass, N, S, C, num_groups, elem, wide, device_limits(x, pass, dtype, wide, act, true));
 }
 
+// Outputs and scratch of a fixed layout, allocated from the CUDA caching allocator as at::empty's CUDA kernel does,
+// without at::empty_like's and at::empty's dispatcher round trips: part of a launch-bound call's host time
+// (benchmarks/NOTES.md, session 25). Unlike at::empty, never filled under torch.use_deterministic_algorithms'
+// fill_uninitialized_memory: the kernels write every element of what is allocated here.
+// x's sizes and strides, as at::empty_like(x) gives them for a non-overlapping and dense x.
+at::Tensor empty_dense_like(const at::Tensor& x) {
+  return at::detail::empty_strided_cuda(x.sizes(), x.strides(), x.scalar_type(), x.device());
+}
+
+// Contiguous float32 on x's device.
+at::Tensor empty_float(at::IntArrayRef sizes, const at::Tensor& x) {
+  return at::detail::empty_cuda(sizes, at::kFloat, x.device(), std::nullopt);
+}
+
 // Optional (N, C) or (C,) parameters as the kernels index them (dense); the caller keeps the result alive.
 std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
@@ -131,14 +146,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     const bool same_layout = input.is_non_overlapping_and_dense() && y.strides() == input.strides();
     return {same_layout ? y : at::empty_like(input).copy_(y), mean, rstd};
   }
-  const auto stat_opts = input.options().dtype(at::kFloat);
-  at::Tensor mean = statistics ? at::empty({N, num_groups}, stat_opts) : at::Tensor();
-  at::Tensor rstd = statistics ? at::empty({N, num_groups}, stat_opts) : at::Tensor();
+  at::Tensor mean = statistics ? empty_float({N, num_groups}, input) : at::Tensor();
+  at::Tensor rstd = statistics ? empty_float({N, num_groups}, input) : at::Tensor();
   if (N == 0) return {at::empty_like(input), mean, rstd};
   if (!supported) return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
 
   const at::Tensor x = kernel_layout(input, num_groups);
-  at::Tensor y = frames_last ? empty_frames_last(x) : at::empty_like(x);
+  at::Tensor y = frames_last ? empty_frames_last(x) : empty_dense_like(x);  // x: channels-last dense
   const auto weight_d = dense(weight), bias_d = dense(bias), scale_d = dense(scale), shift_d = dense(shift);
   const auto offset_d = aligned(input_offset), input_bias_d = aligned(input_bias);
   ForwardArgs a;
@@ -167,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   a.partials = a.group_stats = nullptr;
   if (!a.geo.clustered) {
     const int64_t n_partials = N * a.geo.splits * num_groups * 4;
-    scratch = at::empty({n_partials + N * num_groups * 4}, stat_opts);
+    scratch = empty_float({n_partials + N * num_groups * 4}, x);
     a.partials = scratch.data_ptr<float>();
     a.group_stats = a.partials + n_partials;
   }
@@ -228,8 +242,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_nor
   // The kernels read grad_out with x's strides; gradients from NCHW consumers arrive in another layout.
   const at::Tensor dy = grad_out.strides() == x.strides() && common_alignment({grad_out.const_data_ptr()}) == 16
                             ? grad_out
-                            : at::empty_like(x).copy_(grad_out);
-  at::Tensor dx = need_dx ? at::empty_like(x) : at::Tensor();
+                            : empty_dense_like(x).copy_(grad_out);
+  at::Tensor dx = need_dx ? empty_dense_like(x) : at::Tensor();
   const auto weight_d = dense(weight), bias_d = dense(bias), scale_d = dense(scale), shift_d = dense(shift);
   const at::Tensor mean_d = mean.contiguous(), rstd_d = rstd.contiguous();
 
@@ -259,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_nor
   const int64_t n_params = N > 1 && a.geo.images == 1 && (need_dw || need_db) ? N * C * 2 : 0;
   const int64_t n_partials = a.geo.clustered ? 0 : N * a.geo.splits * C * 2;
   const int64_t n_coeffs = a.geo.clustered ? 0 : N * num_groups * 2;
-  at::Tensor scratch = at::empty({n_params + n_partials + n_coeffs}, input.options().dtype(at::kFloat));
+  at::Tensor scratch = empty_float({n_params + n_partials + n_coeffs}, x);
   float* base = scratch.data_ptr<float>();
   a.param_sums = n_params ? base : nullptr;
   a.channel_partials = n_partials ? base + n_params : nullptr;

@@ -372,16 +372,18 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   check_values_per_group(x, num_groups);
   check_frames_last(x, frames_last);
   if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
+    // Reshaped above autograd, where reshape decomposes into the views that modes and subclasses see.
+    const OptTensor scale_n = per_sample(scale), shift_n = per_sample(shift), offset_n = per_sample(input_offset);
     // kernel_covers and term_fusable leave out forward-mode AD: only a gradient to record decides.
     if (!records_gradient(x, {&weight, &bias, &scale, &shift, &input_offset, &input_bias})) {
       // Below autograd: the inference op's Autograd kernel would ask again what was just asked (one dispatcher
       // round trip less per inference call). Modes, tracers and autocast still see the call.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      return inference_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps, activation,
-                                 per_sample(input_offset), input_bias, frames_last);
+      return inference_op().call(x, weight, bias, scale_n, shift_n, num_groups, eps, activation, offset_n, input_bias,
+                                 frames_last);
     }
-    return std::get<0>(forward_op().call(x, weight, bias, per_sample(scale), per_sample(shift), num_groups, eps,
-                                         activation, per_sample(input_offset), input_bias, frames_last));
+    return std::get<0>(forward_op().call(x, weight, bias, scale_n, shift_n, num_groups, eps, activation, offset_n,
+                                         input_bias, frames_last));
   }
   const at::Tensor y = pytorch_path(with_input_terms(x, per_sample(input_offset), input_bias), num_groups, weight,
                                     bias, eps, act, scale_b, shift_b);

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import gn_patch
 from gn_patch import extension
 from gn_patch.ops import ACTIVATIONS
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import tiny_models
 from .conftest import TOLERANCES
@@ -813,6 +814,28 @@ def test_calls_recording_nothing_take_the_inference_op(kernel_path_on_cpu):
     assert called == {"gn_patch::group_norm_act"} and recorded.grad_fn is not None
     torch.testing.assert_close(y, recorded.detach(), rtol=0, atol=0)
     torch.testing.assert_close(frozen, y, rtol=0, atol=0)
+
+
+def test_dispatch_modes_see_the_views_of_a_per_sample_modulation(kernel_path_on_cpu):
+    """The (N, C, 1, 1) scale, shift and input offset become (N, C) views above autograd, where reshape decomposes:
+    a dispatch mode (or a tensor subclass whose table has view, not reshape) sees the same ops under no_grad as
+    with gradients, and the inference op last."""
+    x = random_input((2, 8, 3, 5), torch.float32, "cpu")
+    modulation = torch.randn(2, 8, 1, 1)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Seen() as seen:
+        gn_patch.group_norm_act(x, 4, scale=modulation, shift=modulation, input_offset=modulation)
+    assert torch.ops.aten.reshape.default not in seen.ops
+    assert seen.ops[-4:] == [torch.ops.aten.view.default] * 3 + [INFERENCE_OP]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -274,6 +274,18 @@ class _FunctionRecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _DispatchRecorder(TorchDispatchMode):
+    """The ops that reach the Python dispatch key, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 class TestRawOpArguments:
     """The ops under torch.ops.gn_patch check what the public function checks, with the same messages."""
 
@@ -822,17 +834,7 @@ def test_dispatch_modes_see_the_views_of_a_per_sample_modulation(kernel_path_on_
     with gradients, and the inference op last."""
     x = random_input((2, 8, 3, 5), torch.float32, "cpu")
     modulation = torch.randn(2, 8, 1, 1)
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Seen() as seen:
+    with torch.no_grad(), _DispatchRecorder() as seen:
         gn_patch.group_norm_act(x, 4, scale=modulation, shift=modulation, input_offset=modulation)
     assert torch.ops.aten.reshape.default not in seen.ops
     assert seen.ops[-4:] == [torch.ops.aten.view.default] * 3 + [INFERENCE_OP]

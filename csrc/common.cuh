@@ -317,6 +317,12 @@ __device__ __forceinline__ Welford shfl_xor(const Welford& w, int offset) {
                  __shfl_xor_sync(0xffffffffu, w.m2, offset), __shfl_xor_sync(0xffffffffu, w.count, offset)};
 }
 
+// Lane `lane`'s w in every lane of the warp.
+__device__ __forceinline__ Welford shfl(const Welford& w, int lane) {
+  return Welford{__shfl_sync(0xffffffffu, w.ref, lane), __shfl_sync(0xffffffffu, w.mean, lane),
+                 __shfl_sync(0xffffffffu, w.m2, lane), __shfl_sync(0xffffffffu, w.count, lane)};
+}
+
 __device__ __forceinline__ float2 shfl_xor(float2 v, int offset) {
   return make_float2(__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset));
 }

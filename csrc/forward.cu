@@ -388,18 +388,28 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     cluster_arrive(g.cluster());
     __syncthreads();
     if (b.active) stats = own_groups<Straddle>(g, b, [&](int i) { return group_stats[b.group_local + i]; });
-  } else if (b.active) {
+  } else {
     // Each thread combines its own group's parts (the same bits in every thread of the group) and finalises them:
-    // no barrier after; the thread holding the group's first channel in the block's first row writes them.
-    const ThreadStats totals = own_groups<Straddle>(
-        g, b, [&](int i) { return group_total(partial, b.group_local + i, g, welford_combine); });
-    const GroupWriter writes = group_writer<Straddle>(g, b);
-    const int64_t group = b.n * g.G + b.group;
-    auto finalise = [&](const Welford& total, bool writer, int64_t ng) {
-      return group_stats_of(total, a, writer, ng);
-    };
-    stats.lo = finalise(totals.lo, writes.lo, group);
-    stats.hi = Straddle ? finalise(totals.hi, writes.hi, group + 1) : stats.lo;
+    // no barrier after; the thread holding the group's first channel in the block's first row writes them. A tile
+    // of one group combines them as a tree (block_total): on an H100 (fp16, two runs each) (2, 2560, 8, 8) 4.58-4.61
+    // -> 4.26-4.31 us, (2, 1280, 16, 16) 4.99-5.14 -> 4.85-4.88, (2, 1280, 8, 8) 3.92-4.12 -> 3.90-3.96
+    // (benchmarks/NOTES.md, session 26).
+    ThreadStats totals{};
+    if (!Straddle && g.groups_per_tile == 1) {
+      totals.lo = block_total(partial, welford_combine);  // in every thread, active or not: it shuffles
+    } else if (b.active) {
+      totals = own_groups<Straddle>(
+          g, b, [&](int i) { return group_total(partial, b.group_local + i, g, welford_combine); });
+    }
+    if (b.active) {
+      const GroupWriter writes = group_writer<Straddle>(g, b);
+      const int64_t group = b.n * g.G + b.group;
+      auto finalise = [&](const Welford& total, bool writer, int64_t ng) {
+        return group_stats_of(total, a, writer, ng);
+      };
+      stats.lo = finalise(totals.lo, writes.lo, group);
+      stats.hi = Straddle ? finalise(totals.hi, writes.hi, group + 1) : stats.lo;
+    }
   }
 
   if (b.active) {

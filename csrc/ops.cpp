@@ -146,10 +146,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     const bool same_layout = input.is_non_overlapping_and_dense() && y.strides() == input.strides();
     return {same_layout ? y : at::empty_like(input).copy_(y), mean, rstd};
   }
+  if (N > 0 && !supported) return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
   at::Tensor mean = statistics ? empty_float({N, num_groups}, input) : at::Tensor();
   at::Tensor rstd = statistics ? empty_float({N, num_groups}, input) : at::Tensor();
   if (N == 0) return {at::empty_like(input), mean, rstd};
-  if (!supported) return aten_forward(input, weight, bias, scale, shift, num_groups, eps, act);
 
   const at::Tensor x = kernel_layout(input, num_groups);
   at::Tensor y = frames_last ? empty_frames_last(x) : empty_dense_like(x);  // x: channels-last dense

@@ -96,6 +96,18 @@ __device__ __forceinline__ Acc group_total(const Acc* partial, int gl, const Geo
   return acc;
 }
 
+// The total of a one-group tile (groups_per_tile == 1: block_group_partials leaves one part per warp) in every
+// thread of the block, with the same bits in each: every warp combines the parts as a butterfly over its lanes and
+// takes lane 0's: log2(warps) combining steps where group_total takes warps - 1 in sequence. Every thread of the
+// block calls it: it shuffles over whole warps.
+template <typename Acc, typename Combine>
+__device__ __forceinline__ Acc block_total(const Acc* partial, Combine combine) {
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  int width = 1;
+  while (width < warps) width *= 2;
+  return shfl(lanes_reduce(lane < warps ? partial[lane] : Acc{}, width, combine), 0);
+}
+
 // A value of the thread's group (lo) and, for straddling vectors (Geometry::straddle), of the next group (hi: the
 // lanes from lanes_lo on).
 template <typename V>

@@ -28,7 +28,8 @@ class GroupNormAct(nn.GroupNorm):
     tensor, as torch.nn.GroupNorm takes them: they are stored as a Python int and float.
 
     ``forward(x, scale=None, shift=None, input_offset=None, input_bias=None)``: x is (N, C, *spatial); the optional
-    per-sample scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``;
+    per-sample scale and shift of shape (N, C) or (N, C, 1, ...) (or (1, C, 1, ...) of x's rank, for every sample)
+    give ``act(GroupNorm(x) * (1 + scale) + shift)``;
     ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) and ``input_bias`` (the (C,) bias of the
     convolution that produced x, left out of it) give
     ``act(GroupNorm((x + input_bias.view(1, C, 1, ...)) + input_offset))``, the sums formed as the kernels load x;
@@ -69,8 +70,16 @@ class GroupNormAct(nn.GroupNorm):
 
     def __setattr__(self, name: str, value) -> None:
         # `activation` is kept canonical whenever it is set (the constructor, the surgeon, a user switching it), so
-        # that forward passes it on without a per-call lookup. Raises ValueError for an unknown name.
-        super().__setattr__(name, canonical_activation(value) if name == "activation" else value)
+        # that forward passes it on without a per-call lookup. Raises ValueError for an unknown name. num_groups
+        # and eps assigned later are checked as the constructor checks them: the error comes from the assignment,
+        # the same whether the C++ or the Python path would have run the next call.
+        if name == "activation":
+            value = canonical_activation(value)
+        elif name == "num_groups":
+            value = check_num_groups(value)
+        elif name == "eps":
+            value = check_eps(value)
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                 input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None,

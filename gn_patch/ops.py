@@ -483,9 +483,21 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
     return t.reshape(n, c, *([1] * (x.dim() - 2)))
 
 
+def _over_the_batch(t, x):
+    """A scale or shift of x's rank with batch size 1, (1, C, 1, ...), expanded over x's batch (a view; its
+    gradient sums over the batch); anything else as given. One embedding for every image of a batch, as a block
+    called with a batch-1 timestep embedding has it: ``h * (1 + scale) + shift`` broadcasts it."""
+    if (isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) and t.dim() == x.dim() and t.dim() >= 2
+            and t.shape[0] == 1 and x.shape[0] != 1):
+        return t.expand(x.shape[0], *t.shape[1:])
+    return t
+
+
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
                     input_offset=None, input_bias=None, frames_last: bool = False) -> torch.Tensor:
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
+    if scale is not None or shift is not None:
+        scale, shift = _over_the_batch(scale, x), _over_the_batch(shift, x)
     if input_offset is not None and not isinstance(input_offset, torch.Tensor):
         # A Python number, as `hidden_states + temb` takes it (after the bias: the order of the adds).
         if not isinstance(x, torch.Tensor):
@@ -525,7 +537,8 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             ``identity``/``None``; case-insensitive.
         scale, shift: optional per-sample modulation of shape (N, C) or (N, C, 1, ...), e.g. the timestep
             embedding of diffusers' ``time_embedding_norm="scale_shift"`` blocks and ``AdaGroupNorm``; x's dtype or
-            float32.
+            float32. One of x's rank with batch size 1, (1, C, 1, ...), serves every sample, as
+            ``h * (1 + scale) + shift`` broadcasts it (expanded over the batch).
         input_offset: optional tensor (or number) added to x before the normalisation, as ``x + input_offset``
             (diffusers' resnet blocks add their timestep embedding, shape (N, C, 1, 1), before norm2). The kernels
             add a per-sample offset of shape (N, C, 1, ...) (x's rank) and x's dtype as they load x, rounded to x's

@@ -31,6 +31,36 @@ def test_bad_arguments(kwargs, error, match):
         gn_patch.GroupNormAct(**dict(dict(num_groups=4, num_channels=8), **kwargs))
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(num_groups=2.0), TypeError, "num_groups must be an int, got float"),
+    (dict(num_groups=0), ValueError, "num_groups must be positive, got 0"),
+    (dict(eps=-1.0), ValueError, "eps must be a finite number >= 0"),
+    (dict(eps=float("inf")), ValueError, "eps must be a finite number >= 0"),
+], ids=["num_groups_float", "num_groups_0", "eps_negative", "eps_inf"])
+@pytest.mark.parametrize("loaded", [False, True], ids=["python_path", "extension"])
+def test_bad_arguments_assigned_after_construction(kwargs, error, match, loaded, monkeypatch, request):
+    """num_groups and eps assigned to a module are checked then, as the constructor checks them, whichever path
+    the next call would take; the module keeps its values."""
+    if loaded:
+        request.getfixturevalue("ext")
+    else:
+        monkeypatch.setattr(gn_patch.extension, "loaded", False)
+    module = gn_patch.GroupNormAct(4, 8)
+    (name, value), = kwargs.items()
+    with pytest.raises(error, match=match):
+        setattr(module, name, value)
+    assert (module.num_groups, module.eps) == (4, 1e-5)
+    x = torch.randn(2, 8, 3, 3)
+    torch.testing.assert_close(module(x), F.silu(F.group_norm(x, 4, module.weight, module.bias, 1e-5)))
+
+
+def test_arguments_assigned_after_construction_are_stored_as_python_numbers():
+    module = gn_patch.GroupNormAct(4, 8)
+    module.num_groups, module.eps = torch.tensor(2), torch.tensor(1e-3)
+    assert type(module.num_groups) is int and type(module.eps) is float
+    assert (module.num_groups, module.eps) == (2, pytest.approx(1e-3))
+
+
 def test_from_group_norm_of_another_norm():
     with pytest.raises(TypeError, match=r"group_norm must be a torch\.nn\.GroupNorm, got BatchNorm2d"):
         gn_patch.GroupNormAct.from_group_norm(torch.nn.BatchNorm2d(32))

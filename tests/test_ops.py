@@ -91,6 +91,30 @@ def test_pytorch_path_per_sample_scale_shift(modulation_shape, activation, host_
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("path", ["python", "extension", "kernel_path"])
+def test_batch_one_scale_shift_serves_every_sample(path, monkeypatch, request):
+    """scale and shift of x's rank with batch size 1, (1, C, 1, 1), broadcast over the batch as diffusers'
+    ``h * (1 + scale) + shift`` does (a block called with one timestep embedding for a batch): stock's values, and
+    their gradients summed over the batch, on PyTorch's path and through the op (its kernel path emulated on the
+    CPU)."""
+    if path == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("kernel_path_on_cpu" if path == "kernel_path" else "ext")
+    x = random_input((3, 8, 3, 5), torch.float64, "cpu").float().contiguous(memory_format=torch.channels_last)
+    scale, shift = (t[:1, :, None, None].clone().requires_grad_(True) for t in modulation(2, 8))
+    y = gn_patch.group_norm_act(x, 4, scale=scale, shift=shift)
+    y.square().sum().backward()
+    leaves = [t.detach().double().requires_grad_(True) for t in (scale, shift)]
+    expected = F.silu(F.group_norm(x.double(), 4) * (1 + leaves[0]) + leaves[1])
+    expected.square().sum().backward()
+    assert y.shape == x.shape
+    assert_close(y, expected, **TOLERANCES[torch.float32], what="y")
+    for got, leaf in zip((scale.grad, shift.grad), leaves):
+        assert got.shape == (1, 8, 1, 1)
+        assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
+
+
 def test_activation_aliases():
     x = torch.randn(2, 8, 3, 3)
     torch.testing.assert_close(gn_patch.group_norm_act(x, 2, activation="swish"), F.silu(F.group_norm(x, 2)))
@@ -318,8 +342,8 @@ class TestRawOpArguments:
         x = torch.randn(2, 8, 3, 3)
         with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
             self._dispatch(x, num_groups=0)
-        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
-            self._dispatch(x, eps=-1.0)
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1e-09"):  # not -0.000000
+            self._dispatch(x, eps=-1e-9)
         with pytest.raises(TypeError, match="x must be a floating-point tensor"):
             self._dispatch(x.long())
 

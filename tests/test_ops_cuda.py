@@ -180,6 +180,27 @@ def test_per_sample_scale_shift(case, dtype, param_dtype):
     check_backward(*CASES[case], dtype, "silu", param_dtype=pd, modulated=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_one_scale_shift_serves_every_sample(dtype):
+    """scale and shift of shape (1, C, 1, 1) for a batch of 2 (one timestep embedding for the batch, as a block
+    called directly may get it): gn_patch.group_norm_act expands them over the batch for the kernels; y and the
+    gradients (scale's and shift's summed over the batch) against float64."""
+    x = random_input((2, 320, 16, 16), dtype, "cuda").requires_grad_(True)
+    s, t = (p[:1].clone().requires_grad_(True) for p in modulation(2, 320, dtype))
+    y = gn_patch.group_norm_act(x, 32, scale=s[:, :, None, None], shift=t[:, :, None, None])
+    dy = random_input((2, 320, 16, 16), dtype, "cuda", scale=1.0, seed=5)
+    y.backward(dy)
+    leaves = [p.detach().double().requires_grad_(True) for p in (x, s, t)]
+    expected = F.silu(F.group_norm(leaves[0], 32) * (1 + leaves[1][:, :, None, None]) + leaves[2][:, :, None, None])
+    expected.backward(dy.double())
+    assert_close(y, expected, **TOLERANCES[dtype], what="y")
+    for got, leaf in zip((s.grad, t.grad), leaves[1:]):
+        assert got.shape == (1, 320)
+        scale = leaf.grad.abs().max().item()
+        assert_close(got, leaf.grad, atol=TOLERANCES[dtype]["atol"] * scale, rtol=TOLERANCES[dtype]["rtol"],
+                     what="grad")
+
+
 def sample_offset(x, seed=3):
     """A per-sample channel offset (N, C) of x's dtype, of the size of diffusers' timestep embeddings."""
     gen = torch.Generator().manual_seed(seed)

@@ -1032,6 +1032,19 @@ def test_conditional_norms_and_an_unknown_use():
     assert unpatch_model(patched) == 7 and module_types(patched) == module_types(model)
 
 
+def test_conditional_norms_take_one_embedding_for_the_batch(host_path):
+    """A batch-1 embedding for a batch of images: stock broadcasts it (`x * (1 + scale) + shift`, `h + temb`);
+    patched, the fused scale and shift (and norm2's input offset) serve every image, with stock's values."""
+    model = make_model(Mixed, {})
+    patched_matches(model, lambda m: m(randn(2, 32, 8, 8), randn(1, 8, seed=1), randn(2, 4, 4, 4)))
+
+
+@pytest.mark.parametrize("case", ["default", "scale_shift"])
+def test_resnet_block_2d_takes_one_timestep_embedding_for_the_batch(case, host_path):
+    block = make_resnet(**RESNET_CASES[case])
+    patched_matches(block, lambda m: m(randn(2, 32, 8, 8), randn(1, 16, seed=1)))
+
+
 def test_spatial_norm_mid_block_and_decoder():
     block = make_model(UNetMidBlock2D, dict(in_channels=32, temb_channels=4, resnet_groups=8, attention_head_dim=8,
                                             resnet_time_scale_shift="spatial"))

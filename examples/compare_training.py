@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
     if "--fsdp2" in extra and not torch.cuda.is_available():  # before torchrun, whose traceback would bury it
         raise SystemExit("--fsdp2 needs CUDA GPUs: accelerate shards only under a distributed GPU launch")
+    if "--tiny" not in extra and not torch.cuda.is_available():  # SD1.5 at 512², batch 8: hours on a CPU
+        raise SystemExit("no CUDA GPU here: the full-size comparison needs one; --tiny runs the CPU smoke run "
+                         "(--tiny --max-train-steps 3 --mixed-precision no)")
     one_gpu = json.loads(args.one_gpu_json.read_text()) if args.one_gpu_json else None
     if args.work_dir is None:
         args.work_dir = new_work_dir()

@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="classifier-free guidance scale (default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="dtype of the stock and patched runs (default: float16 on CUDA, float32 on CPU)")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--device", help="torch device (default: cuda; a machine without a GPU needs --device cpu)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random weights, embeddings and diffusion noise (default: %(default)s)")
     parser.add_argument("--check-fp32", action="store_true",
@@ -103,7 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps and --batch-size must be at least 1")
     if args.tiny and args.model:
         parser.error("--tiny builds random models: it takes no --model")
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device is None and not torch.cuda.is_available():  # a full-size run on the CPU takes many minutes
+        parser.error("no CUDA GPU here: pass --device cpu to run on the CPU (the smoke run: --device cpu --steps 2 "
+                     "--height 64 --width 64)")
+    args.device = torch.device(args.device or "cuda")
     args.dtype = DTYPES[args.dtype or ("float16" if args.device.type == "cuda" else "float32")]
     return args
 

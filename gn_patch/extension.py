@@ -199,6 +199,22 @@ def _say(message: str) -> None:
     print(f"gn_patch: {message}", file=sys.stderr, flush=True)
 
 
+def _compiles(library: Path, sources: list[Path]) -> bool:
+    """Whether loading ``library`` from ``sources`` compiles (for the messages around it): no library yet, its
+    build.ninja names other sources (the build directory is shared by every checkout of one torch, CUDA and arch:
+    another clone's build is compiled again), or a file of the sources' folder is newer than the library."""
+    if not library.exists():
+        return True
+    try:
+        ninja = (library.parent / "build.ninja").read_text()
+        built = library.stat().st_mtime
+        folder = sources[0].parent
+        return (any(str(path) not in ninja for path in sources)
+                or any(path.stat().st_mtime > built for path in folder.iterdir() if path.is_file()))
+    except OSError:
+        return True
+
+
 def build(arch: str | None = None, verbose: bool = False) -> Path:
     """Load the extension (its ops, and its Python function as ``entry``), compiling it first where needed; return
     the path of the shared library.
@@ -228,7 +244,7 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
     directory = build_directory(arch)
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{EXTENSION_NAME}.so"
-    first_build = not library.exists()
+    first_build = _compiles(library, sources)
     if first_build:
         _say(f"compiling the CUDA kernels ({len(sources)} files from {sources[0].parent}) for arch {arch} into "
              f"{directory}: a few minutes on a small machine, once")

@@ -190,3 +190,27 @@ def test_no_prebuilt_library_without_its_record(prebuilt):
     prebuilt()
     extension.PREBUILT_INFO.unlink()
     assert extension.prebuilt_library("9.0") is None
+
+
+def test_build_messages_where_a_compile_comes(tmp_path):
+    """build() prints its lines around a compile: no library yet, a build directory last used by another
+    checkout's sources (the directory is shared per torch, CUDA and arch), or a source or header newer than the
+    library; not where ninja finds the library up to date."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    sources = [csrc / "ops.cpp", csrc / "forward.cu"]
+    for path in [*sources, csrc / "common.cuh"]:
+        path.write_text("")
+    library = tmp_path / "build" / "gn_patch_C.so"
+    library.parent.mkdir()
+    assert extension._compiles(library, sources)
+    library.write_text("")
+    (library.parent / "build.ninja").write_text(" ".join(str(p) for p in sources))
+    past = library.stat().st_mtime - 100
+    for path in csrc.iterdir():
+        os.utime(path, (past, past))
+    assert not extension._compiles(library, sources)
+    other = [tmp_path / "other" / path.name for path in sources]
+    assert extension._compiles(library, other)
+    os.utime(csrc / "common.cuh")  # now: newer than the library
+    assert extension._compiles(library, sources)

@@ -375,6 +375,17 @@ def load_example():
     return module
 
 
+def test_txt2img_example_without_a_gpu_needs_device_cpu(monkeypatch, capsys):
+    """Without a GPU the example stops at once unless --device cpu asks for the CPU (a full-size run there takes
+    many minutes); the message names the smoke run."""
+    example = load_example()
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stopped:
+        example.parse_args(["--check-fp32"])
+    assert stopped.value.code == 2 and "--device cpu --steps 2" in capsys.readouterr().err
+    assert example.parse_args(["--device", "cpu"]).device == torch.device("cpu")
+
+
 @pytest.mark.parametrize("arch", ["sd15", "sdxl"])
 def test_txt2img_example(tmp_path, arch):
     example = load_example()

@@ -204,3 +204,13 @@ def test_compare_training_under_fsdp2(tmp_path):
     assert saved.keys() == stock.keys() == patched.state_dict().keys()
     # Three AdamW steps of lr 1e-5 from the same seeded weights (see test_compare_training_stock_and_patched_agree).
     assert max((saved[name] - stock[name]).abs().max().item() for name in stock) < 1e-4
+
+
+def test_compare_training_without_a_gpu_asks_for_the_smoke_run(tmp_path, monkeypatch):
+    """The full-size comparison (SD1.5 at 512², batch 8) refuses a machine without a GPU before it starts, naming
+    --tiny; with --tiny it runs there (test_compare_training_stock_and_patched_agree)."""
+    compare = load_compare_training()
+    monkeypatch.setattr(compare.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"no CUDA GPU here.*--tiny"):
+        compare.main(["--output", str(tmp_path / "training.json"), "--work-dir", str(tmp_path)])
+    assert not (tmp_path / "stock").exists()

@@ -63,8 +63,8 @@ inline void check_num_groups(int64_t num_groups) {
 }
 
 inline void check_eps(double eps) {
-  // c10::str: the shortest of ostream's forms (-1e-09), as Python's message has it; std::to_string gave -0.000000.
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "gn_patch: eps must be a finite number >= 0, got ", eps);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
+                    "gn_patch: eps must be a finite number >= 0, got " + std::to_string(eps));
 }
 
 // Largest power of two (<= 16) dividing every pointer's address: the widest vector access all of them allow.

@@ -61,16 +61,23 @@ const auto& backward_op() {
 bool holds(const c10::SymBool& b) { return b.guard_bool(__FILE__, __LINE__); }
 
 // scale or shift as a view that broadcasts against x: (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank.
+// One of x's rank with batch size 1, (1, C, 1, ...), is expanded over the batch: one embedding for every image, as
+// `h * (1 + scale) + shift` broadcasts a block's batch-1 timestep embedding (a view; autograd sums its gradient).
 OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* name) {
   if (!t.has_value()) return t;
   const c10::SymInt& N = x.sym_size(0);
   const c10::SymInt& C = x.sym_size(1);
-  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && holds(t->sym_size(0).sym_eq(N)) && holds(t->sym_size(1).sym_eq(C));
+  const bool one_for_all = t->dim() == x.dim() && holds(t->sym_size(0).sym_eq(1));
+  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && (one_for_all || holds(t->sym_size(0).sym_eq(N))) &&
+            holds(t->sym_size(1).sym_eq(C));
   for (int64_t d = 2; ok && d < t->dim(); ++d) ok = holds(t->sym_size(d).sym_eq(1));
   TORCH_CHECK_VALUE(ok, std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) "
                             "followed by size-1 dims, for input of shape " + shape_str(x.sym_sizes()) + "; got " +
                             shape_str(t->sym_sizes()));
-  return sample_view(*t, x);
+  if (!one_for_all) return sample_view(*t, x);
+  std::vector<c10::SymInt> over_the_batch = t->sym_sizes().vec();
+  over_the_batch[0] = N;
+  return t->expand_symint(over_the_batch);
 }
 
 OptTensor per_sample(const OptTensor& t) {
@@ -371,11 +378,11 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   const OptTensor scale_b = broadcastable(scale, x, "scale"), shift_b = broadcastable(shift, x, "shift");
   check_values_per_group(x, num_groups);
   check_frames_last(x, frames_last);
-  if (kernel_covers(x, num_groups, weight, bias, scale, shift)) {
+  if (kernel_covers(x, num_groups, weight, bias, scale_b, shift_b)) {
     // Reshaped above autograd, where reshape decomposes into the views that modes and subclasses see.
-    const OptTensor scale_n = per_sample(scale), shift_n = per_sample(shift), offset_n = per_sample(input_offset);
+    const OptTensor scale_n = per_sample(scale_b), shift_n = per_sample(shift_b), offset_n = per_sample(input_offset);
     // kernel_covers and term_fusable leave out forward-mode AD: only a gradient to record decides.
-    if (!records_gradient(x, {&weight, &bias, &scale, &shift, &input_offset, &input_bias})) {
+    if (!records_gradient(x, {&weight, &bias, &scale_b, &shift_b, &input_offset, &input_bias})) {
       // Below autograd: the inference op's Autograd kernel would ask again what was just asked (one dispatcher
       // round trip less per inference call). Modes, tracers and autocast still see the call.
       at::AutoDispatchBelowADInplaceOrView below_autograd;

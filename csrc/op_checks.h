@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -41,6 +42,13 @@ inline std::string shape_str(c10::SymIntArrayRef sizes) {
   return s + "]";
 }
 
+// A double as Python's %g prints it (-1e-09, not std::to_string's -0.000000), through snprintf for the reason above.
+inline std::string number_str(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
+}
+
 // Activation names as gn_patch.canonical_activation takes them: case-insensitive, with the aliases swish (silu) and
 // none (identity); the message is the Python function's.
 inline Act parse_activation(std::string_view given) {
@@ -64,7 +72,7 @@ inline void check_num_groups(int64_t num_groups) {
 
 inline void check_eps(double eps) {
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
-                    "gn_patch: eps must be a finite number >= 0, got " + std::to_string(eps));
+                    "gn_patch: eps must be a finite number >= 0, got " + number_str(eps));
 }
 
 // Largest power of two (<= 16) dividing every pointer's address: the widest vector access all of them allow.
@@ -139,10 +147,13 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
   scalar_kind(x);
   const int64_t N = x.size(0), C = x.size(1);
   check_num_groups(num_groups);
+  TORCH_CHECK(C > 0, "Expected number of channels to be greater than 0, got 0");  // torch.group_norm's
   TORCH_CHECK(C % num_groups == 0,
               "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
                   shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));
-  TORCH_CHECK_VALUE(x.numel() > 0 || N == 0, "gn_patch: empty spatial size in x of shape " + shape_str(x.sizes()));
+  int64_t spatial_size = 1;  // an empty batch is computed, an empty image is not (torch.group_norm's "HxW" error)
+  for (int64_t d = 2; d < x.dim(); ++d) spatial_size *= x.size(d);
+  TORCH_CHECK_VALUE(spatial_size > 0, "gn_patch: empty spatial size in x of shape " + shape_str(x.sizes()));
   for (const auto* p : {&weight, &bias}) {
     if (!p->has_value()) continue;
     const at::Tensor& t = **p;

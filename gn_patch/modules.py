@@ -45,7 +45,6 @@ class GroupNormAct(nn.GroupNorm):
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str | None = "silu", device=None, dtype=None) -> None:
         num_groups = check_num_groups(num_groups)  # before nn.GroupNorm's own check, which divides by it
-        eps = check_eps(eps)
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
         self.activation = activation
 

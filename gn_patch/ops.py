@@ -166,11 +166,13 @@ def _check_inputs(x, weight, bias, scale, shift, num_groups, activation):
     torch._check_value(2 <= x.dim() <= 5, lambda: f"gn_patch: x must be a 2-D to 5-D input (N, C, *spatial), got "
                                                   f"shape {list(x.shape)}")
     check_num_groups(num_groups)
+    torch._check(x.shape[1] > 0, lambda: "Expected number of channels to be greater than 0, got 0")  # group_norm's
     torch._check(x.shape[1] % num_groups == 0,
                  lambda: "Expected number of channels in input to be divisible by num_groups, but got input of shape "
                          f"{list(x.shape)} and num_groups={num_groups}")
     canonical_activation(activation)
-    torch._check_value(x.numel() != 0 or x.shape[0] == 0,
+    # An empty batch is computed, an empty image is not (torch.group_norm's "HxW" error).
+    torch._check_value(math.prod(x.shape[2:]) > 0,
                        lambda: f"gn_patch: empty spatial size in x of shape {list(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
         if p is not None:
@@ -471,33 +473,25 @@ def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.T
 
 
 def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
-    """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x."""
+    """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x. One of
+    x's rank with batch size 1, (1, C, 1, ...), serves every sample as given: ``h * (1 + scale) + shift`` broadcasts
+    a block's batch-1 timestep embedding (autograd.cpp's broadcastable expands it for the kernels)."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
     n, c = x.shape[:2]
-    if t.dim() < 2 or tuple(t.shape[:2]) != (n, c) or any(size != 1 for size in t.shape[2:]) or t.dim() > x.dim():
+    one_for_all = t.dim() == x.dim() and t.shape[0] == 1
+    if (t.dim() < 2 or t.shape[1] != c or not (one_for_all or t.shape[0] == n)
+            or any(size != 1 for size in t.shape[2:]) or t.dim() > x.dim()):
         raise ValueError(f"gn_patch.group_norm_act: {name} must have shape (N, C), or (N, C) followed by size-1 "
                          f"dims, for input of shape {list(x.shape)}; got {list(t.shape)}")
-    return t.reshape(n, c, *([1] * (x.dim() - 2)))
-
-
-def _over_the_batch(t, x):
-    """A scale or shift of x's rank with batch size 1, (1, C, 1, ...), expanded over x's batch (a view; its
-    gradient sums over the batch); anything else as given. One embedding for every image of a batch, as a block
-    called with a batch-1 timestep embedding has it: ``h * (1 + scale) + shift`` broadcasts it."""
-    if (isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) and t.dim() == x.dim() and t.dim() >= 2
-            and t.shape[0] == 1 and x.shape[0] != 1):
-        return t.expand(x.shape[0], *t.shape[1:])
-    return t
+    return t if one_for_all else t.reshape(n, c, *([1] * (x.dim() - 2)))
 
 
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
                     input_offset=None, input_bias=None, frames_last: bool = False) -> torch.Tensor:
     """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
-    if scale is not None or shift is not None:
-        scale, shift = _over_the_batch(scale, x), _over_the_batch(shift, x)
     if input_offset is not None and not isinstance(input_offset, torch.Tensor):
         # A Python number, as `hidden_states + temb` takes it (after the bias: the order of the adds).
         if not isinstance(x, torch.Tensor):

@@ -936,10 +936,22 @@ class TestCudaArguments:
             OP(x, None, None, None, None, 0, 1e-5, "silu")
         with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
             gn_patch.group_norm_act(x, 0)
-        with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
-            OP(x, None, None, None, None, 32, -1.0, "silu")
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1e-09"):
+            OP(x, None, None, None, None, 32, -1e-9, "silu")
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             gn_patch.group_norm_act(x, 32, eps=float("nan"))
+
+    @pytest.mark.parametrize("shape,error,match", [
+        ((2, 0, 4, 4), RuntimeError, "Expected number of channels to be greater than 0"),
+        ((0, 64, 0, 4), ValueError, "empty spatial size"),
+        ((2, 64, 4, 0), ValueError, "empty spatial size"),
+    ])
+    def test_empty_channels_or_image(self, shape, error, match):
+        """The raw op rejects what torch.group_norm rejects (on the CPU, torch 2.13/2.14): no channels, or an empty
+        image even in an empty batch."""
+        x = torch.empty(shape, dtype=torch.float16, device="cuda")
+        with pytest.raises(error, match=match):
+            OP(x, None, None, None, None, 32, 1e-5, "silu")
 
     def test_activation_is_case_insensitive(self):
         x = random_input((2, 64, 4, 4), torch.float16, "cuda")

@@ -63,8 +63,9 @@ bool holds(const c10::SymBool& b) { return b.guard_bool(__FILE__, __LINE__); }
 // scale or shift as a view that broadcasts against x: (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank.
 // One of x's rank with batch size 1, (1, C, 1, ...), is expanded over the batch: one embedding for every image, as
 // `h * (1 + scale) + shift` broadcasts a block's batch-1 timestep embedding (a view; autograd sums its gradient).
+// An x of fewer than 2 dims is left to the group norm's own check.
 OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* name) {
-  if (!t.has_value()) return t;
+  if (!t.has_value() || x.dim() < 2) return t;
   const c10::SymInt& N = x.sym_size(0);
   const c10::SymInt& C = x.sym_size(1);
   const bool one_for_all = t->dim() == x.dim() && holds(t->sym_size(0).sym_eq(1));
@@ -72,12 +73,27 @@ OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* nam
             holds(t->sym_size(1).sym_eq(C));
   for (int64_t d = 2; ok && d < t->dim(); ++d) ok = holds(t->sym_size(d).sym_eq(1));
   TORCH_CHECK_VALUE(ok, std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) "
-                            "followed by size-1 dims, for input of shape " + shape_str(x.sym_sizes()) + "; got " +
-                            shape_str(t->sym_sizes()));
+                            "followed by size-1 dims, or x's rank with a batch of 1 (one for every sample), for "
+                            "input of shape " + shape_str(x.sym_sizes()) + "; got " + shape_str(t->sym_sizes()));
   if (!one_for_all) return sample_view(*t, x);
   std::vector<c10::SymInt> over_the_batch = t->sym_sizes().vec();
   over_the_batch[0] = N;
   return t->expand_symint(over_the_batch);
+}
+
+// x expanded over the batch of a scale or shift of its rank where x has one sample and the modulation several:
+// stock's `h * (1 + scale) + shift` broadcasts h over them (a block called with one image and a batch of timestep
+// embeddings). x as it is otherwise.
+at::Tensor over_modulation_batch(const at::Tensor& x, const OptTensor& scale, const OptTensor& shift) {
+  for (const OptTensor* t : {&scale, &shift}) {
+    if (!t->has_value() || (*t)->dim() != x.dim() || x.dim() < 2) continue;
+    if (holds(x.sym_size(0).sym_eq(1)) && !holds((*t)->sym_size(0).sym_eq(1))) {
+      std::vector<c10::SymInt> sizes = x.sym_sizes().vec();
+      sizes[0] = (*t)->sym_size(0);
+      return x.expand_symint(sizes);
+    }
+  }
+  return x;
 }
 
 OptTensor per_sample(const OptTensor& t) {
@@ -352,6 +368,13 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
                                    const OptTensor& bias, double eps, c10::string_view activation,
                                    const OptTensor& scale, const OptTensor& shift, const OptTensor& input_offset,
                                    const OptTensor& input_bias, bool frames_last) {
+  if (scale.has_value() || shift.has_value()) {
+    const at::Tensor x_batch = over_modulation_batch(x, scale, shift);
+    if (!x_batch.is_same(x)) {
+      return group_norm_act_dispatch(x_batch, num_groups, weight, bias, eps, activation, scale, shift, input_offset,
+                                     input_bias, frames_last);
+    }
+  }
   // Terms the kernels do not add (another dtype or device, an offset of another shape: broadcasting and type
   // promotion) are added as `(x + input_bias) + input_offset` is in PyTorch, errors included; both, to keep the order.
   if ((input_offset.has_value() && !term_fusable(*input_offset, x, /*per_sample=*/true)) ||

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -42,10 +43,14 @@ inline std::string shape_str(c10::SymIntArrayRef sizes) {
   return s + "]";
 }
 
-// A double as Python's %g prints it (-1e-09, not std::to_string's -0.000000), through snprintf for the reason above.
+// A double with the fewest significant digits that read back as it (as Python's repr: -1e-09, -0.1234567, not
+// std::to_string's -0.000000), through snprintf for the reason above.
 inline std::string number_str(double value) {
   char text[32];
-  std::snprintf(text, sizeof(text), "%g", value);
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(text, sizeof(text), "%.*g", digits, value);
+    if (std::strtod(text, nullptr) == value) break;
+  }
   return text;
 }
 
@@ -151,9 +156,9 @@ inline void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& w
   TORCH_CHECK(C % num_groups == 0,
               "Expected number of channels in input to be divisible by num_groups, but got input of shape " +
                   shape_str(x.sizes()) + " and num_groups=" + std::to_string(num_groups));
-  int64_t spatial_size = 1;  // an empty batch is computed, an empty image is not (torch.group_norm's "HxW" error)
+  int64_t spatial_size = 1;  // an empty batch is computed, an empty image is not: torch.group_norm's error
   for (int64_t d = 2; d < x.dim(); ++d) spatial_size *= x.size(d);
-  TORCH_CHECK_VALUE(spatial_size > 0, "gn_patch: empty spatial size in x of shape " + shape_str(x.sizes()));
+  TORCH_CHECK(spatial_size > 0, "Expected HxW to be greater than 0, got 0");
   for (const auto* p : {&weight, &bias}) {
     if (!p->has_value()) continue;
     const at::Tensor& t = **p;

@@ -63,7 +63,10 @@ PyObject* group_norm_act_dispatch(PyObject* /*module*/, PyObject* const* args, P
   }
   int overflow = 0;
   const long long num_groups = PyLong_AsLongLongAndOverflow(args[1], &overflow);
-  if (overflow != 0) Py_RETURN_NONE;  // the op's own check reports it
+  if (overflow != 0) {  // PyTorch's message for an int argument outside int64 (F.group_norm's, the schema's)
+    PyErr_SetString(PyExc_ValueError, "Overflow when unpacking long long");
+    return nullptr;
+  }
   Py_ssize_t length = 0;
   const char* activation = PyUnicode_AsUTF8AndSize(args[5], &length);
   if (activation == nullptr) {  // not UTF-8 encodable (a lone surrogate): the OpOverload's schema error

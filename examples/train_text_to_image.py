@@ -73,14 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--resolution", type=int, help="square image size (default: 512, 32 with --tiny)")
     data.add_argument("--precompute-latents", action="store_true",
                       help="encode every image with the VAE once before training (steps then time the UNet alone)")
-    data.add_argument("--dataloader-num-workers", type=int, default=0)
+    data.add_argument("--dataloader-num-workers", type=int, default=0, help="DataLoader worker processes")
     train = parser.add_argument_group("training")
     train.add_argument("--train-batch-size", type=int, default=1, help="per device")
     train.add_argument("--max-train-steps", type=int, default=100, help="optimizer steps")
     train.add_argument("--learning-rate", type=float, help="AdamW learning rate (default: 1e-5; 1e-4 with LoRA)")
-    train.add_argument("--max-grad-norm", type=float, default=1.0)
-    train.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16")
-    train.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    train.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
+    train.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16",
+                       help="accelerate's autocast dtype (no: float32)")
+    train.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument("--lora-rank", type=int, help="train rank-N LoRA adapters on the attention projections "
                                                      "instead of the whole UNet")
@@ -90,9 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "--mixed-precision sets its compute dtype); patched: patch_model(unet, "
                             "channels_last='activations'). Needs a distributed GPU launch (accelerate launch "
                             "--multi_gpu, or torchrun), also for one process")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="weights, data and noise")
     out = parser.add_argument_group("output")
-    out.add_argument("--output-dir", type=Path, default=Path("train_text_to_image_output"))
+    out.add_argument("--output-dir", type=Path, default=Path("train_text_to_image_output"),
+                     help="the trained UNet (or LoRA weights) and samples")
     out.add_argument("--log-json", type=Path, help="write config, per-step losses and samples/s here")
     args = parser.parse_args(argv)
     if args.tiny and args.model:

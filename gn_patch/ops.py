@@ -171,9 +171,8 @@ def _check_inputs(x, weight, bias, scale, shift, num_groups, activation):
                  lambda: "Expected number of channels in input to be divisible by num_groups, but got input of shape "
                          f"{list(x.shape)} and num_groups={num_groups}")
     canonical_activation(activation)
-    # An empty batch is computed, an empty image is not (torch.group_norm's "HxW" error).
-    torch._check_value(math.prod(x.shape[2:]) > 0,
-                       lambda: f"gn_patch: empty spatial size in x of shape {list(x.shape)}")
+    # An empty batch is computed, an empty image is not: torch.group_norm's error.
+    torch._check(math.prod(x.shape[2:]) > 0, lambda: "Expected HxW to be greater than 0, got 0")
     for name, p in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift)):
         if p is not None:
             _check_param(x, name, p)
@@ -313,7 +312,7 @@ def _group_norm_act_reference(x, weight, bias, scale, shift, num_groups, eps, ac
     _check_frames_last(x, frames_last)
     check_eps(eps)
     y = _empty_frames_last(x) if frames_last else torch.empty_like(x)
-    if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty spatial size, as the CUDA op does)
+    if x.numel() == 0:  # N = 0 (_check_inputs rejects an empty image, as the CUDA op does)
         stats = x.new_empty((x.shape[0], num_groups), dtype=_stats_dtype(x))
         return y, stats, torch.empty_like(stats)
     x = _with_input_terms(x, input_offset, input_bias)  # the sums in x's dtype, as the kernels form them
@@ -473,20 +472,24 @@ def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.T
 
 
 def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
-    """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x. One of
-    x's rank with batch size 1, (1, C, 1, ...), serves every sample as given: ``h * (1 + scale) + shift`` broadcasts
-    a block's batch-1 timestep embedding (autograd.cpp's broadcastable expands it for the kernels)."""
+    """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x. Of x's
+    rank, a batch of 1 on either side broadcasts as ``h * (1 + scale) + shift`` does: one timestep embedding for
+    every image, or one image for a batch of embeddings (autograd.cpp's broadcastable and over_modulation_batch
+    expand them for the kernels). An x of fewer than 2 dims is left to F.group_norm's check."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
+    if x.dim() < 2:
+        return t
     n, c = x.shape[:2]
-    one_for_all = t.dim() == x.dim() and t.shape[0] == 1
-    if (t.dim() < 2 or t.shape[1] != c or not (one_for_all or t.shape[0] == n)
+    broadcasts = t.dim() == x.dim() and (t.shape[0] == 1 or n == 1)
+    if (t.dim() < 2 or t.shape[1] != c or not (broadcasts or t.shape[0] == n)
             or any(size != 1 for size in t.shape[2:]) or t.dim() > x.dim()):
         raise ValueError(f"gn_patch.group_norm_act: {name} must have shape (N, C), or (N, C) followed by size-1 "
-                         f"dims, for input of shape {list(x.shape)}; got {list(t.shape)}")
-    return t if one_for_all else t.reshape(n, c, *([1] * (x.dim() - 2)))
+                         f"dims, or x's rank with a batch of 1 (one for every sample), for input of shape "
+                         f"{list(x.shape)}; got {list(t.shape)}")
+    return t if broadcasts else t.reshape(n, c, *([1] * (x.dim() - 2)))
 
 
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
@@ -531,8 +534,9 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             ``identity``/``None``; case-insensitive.
         scale, shift: optional per-sample modulation of shape (N, C) or (N, C, 1, ...), e.g. the timestep
             embedding of diffusers' ``time_embedding_norm="scale_shift"`` blocks and ``AdaGroupNorm``; x's dtype or
-            float32. One of x's rank with batch size 1, (1, C, 1, ...), serves every sample, as
-            ``h * (1 + scale) + shift`` broadcasts it (expanded over the batch).
+            float32. Of x's rank, a batch of 1 on either side broadcasts as ``h * (1 + scale) + shift`` does: a
+            (1, C, 1, ...) serves every sample, and an x of batch 1 with a modulation of batch M gives y of batch M
+            (x expanded over it, as a block called with one image and M timestep embeddings computes).
         input_offset: optional tensor (or number) added to x before the normalisation, as ``x + input_offset``
             (diffusers' resnet blocks add their timestep embedding, shape (N, C, 1, 1), before norm2). The kernels
             add a per-sample offset of shape (N, C, 1, ...) (x's rank) and x's dtype as they load x, rounded to x's

@@ -33,7 +33,7 @@ from .report import PatchReport, join_name
 from .rules import ORIGINAL_CLASS, RULES
 from .rules.base import (ADDED_STATE, VERSION_SKIP, FusedActivation, StockLayoutGroupNorm, Surgery, accelerate_hooks,
                          forward_override_problem, fuse_norm, has_hooks, patched_class, restore,
-                         wrapped_class)
+                         settings_problem, wrapped_class)
 
 __all__ = ["PatchReport", "patch_model", "unpatch_model"]
 
@@ -67,8 +67,8 @@ def _run_the_rest_alone(surgery: Surgery, model: nn.Module) -> None:
             continue
         elif type(module) is not nn.GroupNorm:
             surgery.skip(name, module, f"{type(module).__name__} is not a plain torch.nn.GroupNorm (its own forward)")
-        elif forward_override_problem(module) is not None:
-            surgery.skip(name, module, forward_override_problem(module))
+        elif (problem := forward_override_problem(module) or settings_problem(module)) is not None:
+            surgery.skip(name, module, problem)
         else:
             fuse_norm(module, "identity", StockLayoutGroupNorm)
             surgery.report.alone.append((name, surgery.declined.get(id(module)) or _unknown_use(model, name)))

@@ -115,6 +115,55 @@ def test_batch_one_scale_shift_serves_every_sample(path, monkeypatch, request):
         assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
 
 
+@pytest.mark.parametrize("path", ["python", "extension", "kernel_path"])
+def test_batch_one_x_takes_the_modulation_batch(path, monkeypatch, request):
+    """x of batch 1 with scale and shift of x's rank for a batch of 3 (a block called with one image and three
+    timestep embeddings): stock's ``h * (1 + scale) + shift`` broadcasts h over them, y has batch 3; the gradients
+    of x (summed over the batch), scale and shift as stock's."""
+    if path == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("kernel_path_on_cpu" if path == "kernel_path" else "ext")
+    x = random_input((1, 8, 3, 5), torch.float64, "cpu").float().contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    scale, shift = (t[:, :, None, None].clone().requires_grad_(True) for t in modulation(3, 8))
+    y = gn_patch.group_norm_act(x, 4, scale=scale, shift=shift)
+    y.square().sum().backward()
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, scale, shift)]
+    expected = F.silu(F.group_norm(leaves[0], 4) * (1 + leaves[1]) + leaves[2])
+    expected.square().sum().backward()
+    assert y.shape == (3, 8, 3, 5)
+    assert_close(y, expected, **TOLERANCES[torch.float32], what="y")
+    for got, leaf in zip((x.grad, scale.grad, shift.grad), leaves):
+        assert got.shape == leaf.shape
+        assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
+
+
+@pytest.mark.parametrize("path", ["python", "extension"])
+def test_modulation_shape_errors(path, monkeypatch, request):
+    """A 1-D x given a scale gets F.group_norm's rank error (not one from the scale's check); a scale of another
+    batch gets the modulation's message, which names the shapes taken."""
+    if path == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("ext")
+    with pytest.raises(RuntimeError, match="Expected at least 2 dimensions"):
+        gn_patch.group_norm_act(torch.randn(8), 4, scale=torch.randn(1, 8))
+    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\).*x's rank with a batch of 1"):
+        gn_patch.group_norm_act(torch.randn(3, 8, 2, 2), 4, scale=torch.randn(2, 8, 1, 1))
+
+
+@pytest.mark.parametrize("path", ["python", "extension"])
+def test_num_groups_outside_int64(path, monkeypatch, request):
+    """num_groups beyond int64 gets PyTorch's own ValueError on both host paths (F.group_norm's)."""
+    if path == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("ext")
+    with pytest.raises(ValueError, match="Overflow when unpacking long long"):
+        gn_patch.group_norm_act(torch.randn(2, 8, 3), 2**63)
+
+
 def test_activation_aliases():
     x = torch.randn(2, 8, 3, 3)
     torch.testing.assert_close(gn_patch.group_norm_act(x, 2, activation="swish"), F.silu(F.group_norm(x, 2)))
@@ -532,17 +581,18 @@ def test_compile_fullgraph_forward_backward(dynamic, ext):
     (lambda: OP(torch.randn(2, 8, 3), None, None, None, None, 4, 1e-5, "tanh"), ValueError,
      "unknown activation 'tanh'"),
     (lambda: OP(torch.randn(8), None, None, None, None, 4, 1e-5, "silu"), ValueError, "x must be a 2-D to 5-D input"),
-    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), ValueError,
-     "empty spatial size"),
+    (lambda: OP(torch.randn(2, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+     "Expected HxW to be greater than 0"),
     (lambda: OP(torch.randn(2, 8, 3, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), torch.zeros(8), None,
                 None, 4, 1e-5, "silu"), TypeError, "must have the same dtype"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, torch.ones(2, 4), None, 4, 1e-5, "silu"), ValueError,
      r"scale must have shape \(N, C\)"),
     (lambda: OP(torch.randn(2, 8, 3), None, None, None, torch.ones(2, 8, dtype=torch.int32), 4, 1e-5, "silu"),
      TypeError, "shift must have the input's dtype"),
-    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, None, None, 4, 1e-5, "silu"), ValueError,
-     "empty spatial size"),
-    (lambda: OP(torch.empty(0, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), ValueError, "empty spatial size"),
+    (lambda: OP(torch.empty(2, 8, 0, device="meta"), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+     "Expected HxW to be greater than 0"),
+    (lambda: OP(torch.empty(0, 8, 0, 3), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
+     "Expected HxW to be greater than 0"),
     (lambda: OP(torch.empty(2, 0, 3), None, None, None, None, 4, 1e-5, "silu"), RuntimeError,
      "number of channels to be greater than 0"),
     (lambda: OP(torch.empty(2, 8, 3, device="meta"), torch.ones(3, device="meta"), None, None, None, 4, 1e-5, "silu"),

@@ -201,6 +201,25 @@ def test_batch_one_scale_shift_serves_every_sample(dtype):
                      what="grad")
 
 
+def test_batch_one_x_takes_the_modulation_batch_cuda():
+    """x of batch 1 with a scale and shift of x's rank for a batch of 3: y has batch 3 (stock's broadcast), and the
+    gradients (x's summed over the batch) against float64."""
+    x = random_input((1, 320, 16, 16), torch.float16, "cuda").requires_grad_(True)
+    s, t = (p[:, :, None, None].clone().requires_grad_(True) for p in modulation(3, 320, torch.float16))
+    y = gn_patch.group_norm_act(x, 32, scale=s, shift=t)
+    dy = random_input((3, 320, 16, 16), torch.float16, "cuda", scale=1.0, seed=5)
+    y.backward(dy)
+    leaves = [p.detach().double().requires_grad_(True) for p in (x, s, t)]
+    expected = F.silu(F.group_norm(leaves[0], 32) * (1 + leaves[1]) + leaves[2])
+    expected.backward(dy.double())
+    assert y.shape == (3, 320, 16, 16)
+    assert_close(y, expected, **TOLERANCES[torch.float16], what="y")
+    for got, leaf in zip((x.grad, s.grad, t.grad), leaves):
+        scale = leaf.grad.abs().max().item()
+        assert_close(got, leaf.grad, atol=TOLERANCES[torch.float16]["atol"] * scale,
+                     rtol=TOLERANCES[torch.float16]["rtol"], what="grad")
+
+
 def sample_offset(x, seed=3):
     """A per-sample channel offset (N, C) of x's dtype, of the size of diffusers' timestep embeddings."""
     gen = torch.Generator().manual_seed(seed)
@@ -936,19 +955,20 @@ class TestCudaArguments:
             OP(x, None, None, None, None, 0, 1e-5, "silu")
         with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
             gn_patch.group_norm_act(x, 0)
-        with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1e-09"):
-            OP(x, None, None, None, None, 32, -1e-9, "silu")
+        for eps, printed in ((-1e-9, "-1e-09"), (-0.1234567, "-0.1234567"), (-1.0000001e-9, "-1.0000001e-09")):
+            with pytest.raises(ValueError, match=f"eps must be a finite number >= 0, got {printed}(?![0-9])"):
+                OP(x, None, None, None, None, 32, eps, "silu")
         with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
             gn_patch.group_norm_act(x, 32, eps=float("nan"))
 
     @pytest.mark.parametrize("shape,error,match", [
         ((2, 0, 4, 4), RuntimeError, "Expected number of channels to be greater than 0"),
-        ((0, 64, 0, 4), ValueError, "empty spatial size"),
-        ((2, 64, 4, 0), ValueError, "empty spatial size"),
+        ((0, 64, 0, 4), RuntimeError, "Expected HxW to be greater than 0"),
+        ((2, 64, 4, 0), RuntimeError, "Expected HxW to be greater than 0"),
     ])
     def test_empty_channels_or_image(self, shape, error, match):
-        """The raw op rejects what torch.group_norm rejects (on the CPU, torch 2.13/2.14): no channels, or an empty
-        image even in an empty batch."""
+        """The raw op rejects what torch.group_norm rejects, with its messages (on the CPU, torch 2.13/2.14): no
+        channels, or an empty image even in an empty batch."""
         x = torch.empty(shape, dtype=torch.float16, device="cuda")
         with pytest.raises(error, match=match):
             OP(x, None, None, None, None, 32, 1e-5, "silu")

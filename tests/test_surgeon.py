@@ -1418,3 +1418,30 @@ def test_patch_pipeline_needs_a_pipeline():
     from gn_patch.pipeline import patch_pipeline
     with pytest.raises(TypeError, match=r"use gn_patch\.patch_model"):
         patch_pipeline(tiny_sd15_unet())
+
+
+@pytest.mark.parametrize("eps", [-1e-9, True])
+def test_group_norm_with_settings_groupnormact_rejects_stays_stock(eps):
+    """nn.GroupNorm takes a negative or bool eps; GroupNormAct does not (it would raise at its next call): the
+    surgeon leaves such a norm as it is, fused with its activation or alone, and says why in the report."""
+    fused = nn.Sequential(nn.GroupNorm(2, 8, eps=eps), nn.SiLU())
+    alone = nn.Sequential(nn.GroupNorm(2, 8, eps=eps))
+    for model in (fused, alone):
+        x = torch.randn(2, 8, 4, 4)
+        expected = model(x)
+        report = patch_model(model)
+        assert type(model[0]) is nn.GroupNorm and model[0].eps is eps
+        assert [name for name, _ in report.skipped] == ["0"]
+        assert "GroupNormAct does not take its settings" in report.skipped[0][1]
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+def test_tensor_eps_becomes_a_float_when_patched():
+    """An eps that nn.GroupNorm keeps as a one-element tensor (F.group_norm takes it) becomes the Python float
+    GroupNormAct's calls take; the values stay the same."""
+    model = nn.Sequential(nn.GroupNorm(2, 8, eps=torch.tensor(1e-3)), nn.SiLU())
+    x = torch.randn(2, 8, 4, 4)
+    expected = model(x)
+    patch_model(model)
+    assert isinstance(model[0], GroupNormAct) and type(model[0].eps) is float
+    torch.testing.assert_close(model(x), expected)

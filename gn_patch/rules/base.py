@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ..modules import GroupNormAct
-from ..ops import canonical_activation
+from ..ops import canonical_activation, check_eps, check_num_groups
 from ..report import PatchReport, join_name
 
 
@@ -248,9 +248,22 @@ class FusedActivation(nn.Identity):
 
 def fuse_norm(norm: nn.GroupNorm, activation: str, cls: type = FusedGroupNorm) -> None:
     """Make ``norm`` a GroupNormAct (``cls``) in place. GroupNormAct's only state beyond nn.GroupNorm's is
-    ``activation``."""
+    ``activation``; eps becomes the Python float its calls take (a tensor eps, as nn.GroupNorm keeps it), through
+    GroupNormAct's checking ``__setattr__`` (settings_problem has vetted it)."""
     set_class(norm, cls)
+    norm.eps = norm.eps
     norm.activation = canonical_activation(activation)
+
+
+def settings_problem(norm: nn.GroupNorm) -> str | None:
+    """Why ``norm``'s num_groups or eps are not what GroupNormAct takes (nn.GroupNorm accepts a negative eps, or a
+    bool; the switched class would raise at its next call): the GroupNorm then stays as it is. None when they are."""
+    try:
+        check_num_groups(norm.num_groups)
+        check_eps(norm.eps)
+    except (TypeError, ValueError) as error:
+        return f"GroupNormAct does not take its settings: {error}"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,7 +355,7 @@ class Surgery:
             return "forward/backward hooks on the GroupNorm would see the activated output"
         if not only_moves_tensors(norm):
             return f"accelerate hook {type(norm._hf_hook).__name__} on the GroupNorm may change its output"
-        return forward_override_problem(norm)
+        return forward_override_problem(norm) or settings_problem(norm)
 
     def activation_problem(self, activation) -> str | None:
         """Why the GroupNormAct cannot take over ``activation``'s work; None when it can."""
@@ -382,6 +395,10 @@ def run_alone(s: Surgery, name: str, norm: nn.Module, kind: str) -> None:
     elif s.uses[id(norm)] > 1:
         s.decline(name, norm, "the GroupNorm is registered in several places, not all known to take any layout")
     elif type(norm) is nn.GroupNorm and forward_override_problem(norm) is None:
+        problem = settings_problem(norm)
+        if problem is not None:
+            s.decline(name, norm, problem)
+            return
         fuse_norm(norm, "identity")
         s.fused(name, norm, kind)
 

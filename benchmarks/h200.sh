@@ -31,7 +31,7 @@ for step in "$@"; do
     tests)
       # Four workers share the GPU (most tests are short and host-bound); TEST_TIMEOUT bounds the step with an
       # interrupt, after which pytest still writes the JUnit XML of the tests that ran.
-      timeout -s INT -k 30 "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m gpu -q -n 4 --maxfail=50 --durations=20 \
+      timeout -s INT -k 30 "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m gpu -q -n "${TEST_WORKERS:-4}" --maxfail=50 --durations=20 \
         -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
       tail -15 "$OUT/gpu_tests.log"
       python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" || status=1 ;;

@@ -60,40 +60,56 @@ const auto& backward_op() {
 // fake tensors with symbolic sizes, and a decision that needs a value guards on it.
 bool holds(const c10::SymBool& b) { return b.guard_bool(__FILE__, __LINE__); }
 
-// scale or shift as a view that broadcasts against x: (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank.
-// One of x's rank with batch size 1, (1, C, 1, ...), is expanded over the batch: one embedding for every image, as
-// `h * (1 + scale) + shift` broadcasts a block's batch-1 timestep embedding (a view; autograd sums its gradient).
-// An x of fewer than 2 dims is left to the group norm's own check.
-OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* name) {
-  if (!t.has_value() || x.dim() < 2) return t;
-  const c10::SymInt& N = x.sym_size(0);
-  const c10::SymInt& C = x.sym_size(1);
-  const bool one_for_all = t->dim() == x.dim() && holds(t->sym_size(0).sym_eq(1));
-  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && (one_for_all || holds(t->sym_size(0).sym_eq(N))) &&
-            holds(t->sym_size(1).sym_eq(C));
-  for (int64_t d = 2; ok && d < t->dim(); ++d) ok = holds(t->sym_size(d).sym_eq(1));
+// The modulation's shapes, as one message for both paths (ops.py's _broadcastable says the same).
+void check_modulation_shape(bool ok, const at::Tensor& t, const at::Tensor& x, const char* name) {
   TORCH_CHECK_VALUE(ok, std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) "
-                            "followed by size-1 dims, or x's rank with a batch of 1 (one for every sample), for "
-                            "input of shape " + shape_str(x.sym_sizes()) + "; got " + shape_str(t->sym_sizes()));
-  if (!one_for_all) return sample_view(*t, x);
-  std::vector<c10::SymInt> over_the_batch = t->sym_sizes().vec();
-  over_the_batch[0] = N;
-  return t->expand_symint(over_the_batch);
+                            "followed by size-1 dims (of x's rank, a batch of 1 in x or in " + name +
+                            " broadcasts over the other's), for input of shape " + shape_str(x.sym_sizes()) +
+                            "; got " + shape_str(t.sym_sizes()));
 }
 
-// x expanded over the batch of a scale or shift of its rank where x has one sample and the modulation several:
-// stock's `h * (1 + scale) + shift` broadcasts h over them (a block called with one image and a batch of timestep
-// embeddings). x as it is otherwise.
-at::Tensor over_modulation_batch(const at::Tensor& x, const OptTensor& scale, const OptTensor& shift) {
+// scale or shift, of batch N (broadcast_batches has expanded a batch of 1), as a view that broadcasts against x:
+// (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank. An x of fewer than 2 dims is left to the group
+// norm's own check.
+OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value() || x.dim() < 2) return t;
+  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && holds(t->sym_size(0).sym_eq(x.sym_size(0))) &&
+            holds(t->sym_size(1).sym_eq(x.sym_size(1)));
+  for (int64_t d = 2; ok && d < t->dim(); ++d) ok = holds(t->sym_size(d).sym_eq(1));
+  check_modulation_shape(ok, *t, x, name);
+  return t->dim() == x.dim() ? *t : sample_view(*t, x);
+}
+
+// x, scale and shift with their batches broadcast as stock's `h * (1 + scale) + shift` broadcasts them: a scale or
+// shift of x's rank with a batch of 1 serves every image (a block's one timestep embedding for a batch), and an x
+// of batch 1 serves every embedding of a scale or shift of x's rank and batch M (a block called with one image and
+// M embeddings: y has batch M). Expanded views; autograd sums their gradients. Only x's rank broadcasts: an (N, C)
+// scale is per sample as it stands. Shapes that do not broadcast are left to broadcastable's message.
+struct Modulated {
+  at::Tensor x;
+  OptTensor scale, shift;
+  bool expanded;  // any of them
+};
+
+Modulated broadcast_batches(const at::Tensor& x, const OptTensor& scale, const OptTensor& shift) {
+  auto of_x_rank = [&](const OptTensor& t) { return t.has_value() && t->dim() == x.dim(); };
+  if (x.dim() < 2 || !(of_x_rank(scale) || of_x_rank(shift))) return {x, scale, shift, false};
+  c10::SymInt batch = x.sym_size(0);
   for (const OptTensor* t : {&scale, &shift}) {
-    if (!t->has_value() || (*t)->dim() != x.dim() || x.dim() < 2) continue;
-    if (holds(x.sym_size(0).sym_eq(1)) && !holds((*t)->sym_size(0).sym_eq(1))) {
-      std::vector<c10::SymInt> sizes = x.sym_sizes().vec();
-      sizes[0] = (*t)->sym_size(0);
-      return x.expand_symint(sizes);
-    }
+    if (of_x_rank(*t) && holds(batch.sym_eq(1))) batch = (*t)->sym_size(0);
   }
-  return x;
+  bool expanded = false;
+  auto over_the_batch = [&](const at::Tensor& t) {
+    if (!holds(t.sym_size(0).sym_eq(1)) || holds(batch.sym_eq(1))) return t;
+    expanded = true;
+    std::vector<c10::SymInt> sizes = t.sym_sizes().vec();
+    sizes[0] = batch;
+    return t.expand_symint(sizes);
+  };
+  auto modulation = [&](const OptTensor& t) { return of_x_rank(t) ? OptTensor(over_the_batch(*t)) : t; };
+  Modulated m{over_the_batch(x), modulation(scale), modulation(shift), false};
+  m.expanded = expanded;
+  return m;
 }
 
 OptTensor per_sample(const OptTensor& t) {
@@ -369,9 +385,9 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
                                    const OptTensor& scale, const OptTensor& shift, const OptTensor& input_offset,
                                    const OptTensor& input_bias, bool frames_last) {
   if (scale.has_value() || shift.has_value()) {
-    const at::Tensor x_batch = over_modulation_batch(x, scale, shift);
-    if (!x_batch.is_same(x)) {
-      return group_norm_act_dispatch(x_batch, num_groups, weight, bias, eps, activation, scale, shift, input_offset,
+    const Modulated m = broadcast_batches(x, scale, shift);
+    if (m.expanded) {
+      return group_norm_act_dispatch(m.x, num_groups, weight, bias, eps, activation, m.scale, m.shift, input_offset,
                                      input_bias, frames_last);
     }
   }

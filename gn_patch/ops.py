@@ -474,8 +474,8 @@ def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.T
 def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
     """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x. Of x's
     rank, a batch of 1 on either side broadcasts as ``h * (1 + scale) + shift`` does: one timestep embedding for
-    every image, or one image for a batch of embeddings (autograd.cpp's broadcastable and over_modulation_batch
-    expand them for the kernels). An x of fewer than 2 dims is left to F.group_norm's check."""
+    every image, or one image for a batch of embeddings (autograd.cpp's broadcast_batches expands them for the
+    kernels). An x of fewer than 2 dims is left to F.group_norm's check."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -487,8 +487,8 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
     if (t.dim() < 2 or t.shape[1] != c or not (broadcasts or t.shape[0] == n)
             or any(size != 1 for size in t.shape[2:]) or t.dim() > x.dim()):
         raise ValueError(f"gn_patch.group_norm_act: {name} must have shape (N, C), or (N, C) followed by size-1 "
-                         f"dims, or x's rank with a batch of 1 (one for every sample), for input of shape "
-                         f"{list(x.shape)}; got {list(t.shape)}")
+                         f"dims (of x's rank, a batch of 1 in x or in {name} broadcasts over the other's), for input "
+                         f"of shape {list(x.shape)}; got {list(t.shape)}")
     return t if broadcasts else t.reshape(n, c, *([1] * (x.dim() - 2)))
 
 

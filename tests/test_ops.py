@@ -115,11 +115,12 @@ def test_batch_one_scale_shift_serves_every_sample(path, monkeypatch, request):
         assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
 
 
+@pytest.mark.parametrize("shift_batch", [3, 1])
 @pytest.mark.parametrize("path", ["python", "extension", "kernel_path"])
-def test_batch_one_x_takes_the_modulation_batch(path, monkeypatch, request):
-    """x of batch 1 with scale and shift of x's rank for a batch of 3 (a block called with one image and three
-    timestep embeddings): stock's ``h * (1 + scale) + shift`` broadcasts h over them, y has batch 3; the gradients
-    of x (summed over the batch), scale and shift as stock's."""
+def test_batch_one_x_takes_the_modulation_batch(path, shift_batch, monkeypatch, request):
+    """x of batch 1 with a scale of x's rank for a batch of 3 and a shift of batch 3 or 1 (a block called with one
+    image and three timestep embeddings): stock's ``h * (1 + scale) + shift`` broadcasts h (and a batch-1 shift)
+    over them, y has batch 3; the gradients of x and of a batch-1 shift (summed over the batch) as stock's."""
     if path == "python":
         monkeypatch.setattr(extension, "loaded", False)
     else:
@@ -127,6 +128,7 @@ def test_batch_one_x_takes_the_modulation_batch(path, monkeypatch, request):
     x = random_input((1, 8, 3, 5), torch.float64, "cpu").float().contiguous(memory_format=torch.channels_last)
     x.requires_grad_(True)
     scale, shift = (t[:, :, None, None].clone().requires_grad_(True) for t in modulation(3, 8))
+    shift = shift[:shift_batch].detach().clone().requires_grad_(True)
     y = gn_patch.group_norm_act(x, 4, scale=scale, shift=shift)
     y.square().sum().backward()
     leaves = [t.detach().double().requires_grad_(True) for t in (x, scale, shift)]
@@ -149,7 +151,7 @@ def test_modulation_shape_errors(path, monkeypatch, request):
         request.getfixturevalue("ext")
     with pytest.raises(RuntimeError, match="Expected at least 2 dimensions"):
         gn_patch.group_norm_act(torch.randn(8), 4, scale=torch.randn(1, 8))
-    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\).*x's rank with a batch of 1"):
+    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\).*a batch of 1 in x or in scale broadcasts"):
         gn_patch.group_norm_act(torch.randn(3, 8, 2, 2), 4, scale=torch.randn(2, 8, 1, 1))
 
 

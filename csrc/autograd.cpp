@@ -60,56 +60,41 @@ const auto& backward_op() {
 // fake tensors with symbolic sizes, and a decision that needs a value guards on it.
 bool holds(const c10::SymBool& b) { return b.guard_bool(__FILE__, __LINE__); }
 
-// The modulation's shapes, as one message for both paths (ops.py's _broadcastable says the same).
-void check_modulation_shape(bool ok, const at::Tensor& t, const at::Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(ok, std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) "
-                            "followed by size-1 dims (of x's rank, a batch of 1 in x or in " + name +
-                            " broadcasts over the other's), for input of shape " + shape_str(x.sym_sizes()) +
-                            "; got " + shape_str(t.sym_sizes()));
-}
-
-// scale or shift, of batch N (broadcast_batches has expanded a batch of 1), as a view that broadcasts against x:
-// (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank. An x of fewer than 2 dims is left to the group
-// norm's own check.
+// scale or shift as a view that broadcasts against x: (N, C) or (N, C, 1, ...) -> (N, C, 1, ..., 1) with x's rank.
+// Of x's rank, a batch of 1 on either side broadcasts as stock's `h * (1 + scale) + shift` does: a batch-1 scale or
+// shift is expanded over x's batch (one timestep embedding for every image; a view, autograd sums its gradient),
+// and one of batch M beside an x of batch 1 is returned as it is (one image for M embeddings: y has batch M, which
+// PyTorch's ops compute, kernel_covers declining it). An x of fewer than 2 dims is left to the group norm's check.
 OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* name) {
   if (!t.has_value() || x.dim() < 2) return t;
-  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && holds(t->sym_size(0).sym_eq(x.sym_size(0))) &&
-            holds(t->sym_size(1).sym_eq(x.sym_size(1)));
+  const c10::SymInt& N = x.sym_size(0);
+  const bool of_x_rank = t->dim() == x.dim();
+  bool ok = t->dim() >= 2 && t->dim() <= x.dim() && holds(t->sym_size(1).sym_eq(x.sym_size(1)));
   for (int64_t d = 2; ok && d < t->dim(); ++d) ok = holds(t->sym_size(d).sym_eq(1));
-  check_modulation_shape(ok, *t, x, name);
-  return t->dim() == x.dim() ? *t : sample_view(*t, x);
+  const bool one_for_all = ok && of_x_rank && holds(t->sym_size(0).sym_eq(1));
+  const bool per_sample = ok && !one_for_all && holds(t->sym_size(0).sym_eq(N));
+  const bool over_x = ok && of_x_rank && !one_for_all && !per_sample && holds(N.sym_eq(1));
+  TORCH_CHECK_VALUE(one_for_all || per_sample || over_x,
+                    std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) followed "
+                        "by size-1 dims (of x's rank, a batch of 1 in x or in " + name + " broadcasts over the "
+                        "other's), for input of shape " + shape_str(x.sym_sizes()) + "; got " +
+                        shape_str(t->sym_sizes()));
+  if (over_x) return t;
+  if (per_sample) return sample_view(*t, x);
+  std::vector<c10::SymInt> over_the_batch = t->sym_sizes().vec();
+  over_the_batch[0] = N;
+  return t->expand_symint(over_the_batch);
 }
 
-// x, scale and shift with their batches broadcast as stock's `h * (1 + scale) + shift` broadcasts them: a scale or
-// shift of x's rank with a batch of 1 serves every image (a block's one timestep embedding for a batch), and an x
-// of batch 1 serves every embedding of a scale or shift of x's rank and batch M (a block called with one image and
-// M embeddings: y has batch M). Expanded views; autograd sums their gradients. Only x's rank broadcasts: an (N, C)
-// scale is per sample as it stands. Shapes that do not broadcast are left to broadcastable's message.
-struct Modulated {
-  at::Tensor x;
-  OptTensor scale, shift;
-  bool expanded;  // any of them
-};
-
-Modulated broadcast_batches(const at::Tensor& x, const OptTensor& scale, const OptTensor& shift) {
-  auto of_x_rank = [&](const OptTensor& t) { return t.has_value() && t->dim() == x.dim(); };
-  if (x.dim() < 2 || !(of_x_rank(scale) || of_x_rank(shift))) return {x, scale, shift, false};
-  c10::SymInt batch = x.sym_size(0);
-  for (const OptTensor* t : {&scale, &shift}) {
-    if (of_x_rank(*t) && holds(batch.sym_eq(1))) batch = (*t)->sym_size(0);
-  }
-  bool expanded = false;
-  auto over_the_batch = [&](const at::Tensor& t) {
-    if (!holds(t.sym_size(0).sym_eq(1)) || holds(batch.sym_eq(1))) return t;
-    expanded = true;
-    std::vector<c10::SymInt> sizes = t.sym_sizes().vec();
-    sizes[0] = batch;
-    return t.expand_symint(sizes);
-  };
-  auto modulation = [&](const OptTensor& t) { return of_x_rank(t) ? OptTensor(over_the_batch(*t)) : t; };
-  Modulated m{over_the_batch(x), modulation(scale), modulation(shift), false};
-  m.expanded = expanded;
-  return m;
+// With an x of batch 1, a scale and a shift of x's rank broadcast against each other too: their batches must be
+// equal or 1 (a ValueError as for any other modulation shape, where PyTorch's broadcast would raise a RuntimeError).
+void check_modulation_batches(const OptTensor& scale, const OptTensor& shift, const at::Tensor& x) {
+  if (!scale.has_value() || !shift.has_value() || x.dim() < 2) return;
+  const c10::SymInt &a = scale->sym_size(0), &b = shift->sym_size(0);
+  TORCH_CHECK_VALUE(holds(a.sym_eq(b)) || holds(a.sym_eq(1)) || holds(b.sym_eq(1)),
+                    "gn_patch.group_norm_act: scale and shift of batches " + shape_str(scale->sym_sizes()) + " and " +
+                        shape_str(shift->sym_sizes()) + " do not broadcast together for input of shape " +
+                        shape_str(x.sym_sizes()));
 }
 
 OptTensor per_sample(const OptTensor& t) {
@@ -359,6 +344,10 @@ bool kernel_covers(const at::Tensor& x, int64_t num_groups, const OptTensor& wei
   if (transformed(x) || transformed(weight) || transformed(bias) || transformed(scale) || transformed(shift)) {
     return false;
   }
+  // A modulation of batch M beside an x of batch 1 (broadcastable leaves it so) makes y of batch M.
+  for (const OptTensor* t : {&scale, &shift}) {
+    if (t->has_value() && !holds((*t)->sym_size(0).sym_eq(x.sym_size(0)))) return false;
+  }
   // Channels are static in practice: guarding on them costs no recompilation.
   const int64_t C = x.sym_size(1).guard_int(__FILE__, __LINE__);
   if (C % num_groups != 0) return false;
@@ -384,13 +373,6 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
                                    const OptTensor& bias, double eps, c10::string_view activation,
                                    const OptTensor& scale, const OptTensor& shift, const OptTensor& input_offset,
                                    const OptTensor& input_bias, bool frames_last) {
-  if (scale.has_value() || shift.has_value()) {
-    const Modulated m = broadcast_batches(x, scale, shift);
-    if (m.expanded) {
-      return group_norm_act_dispatch(m.x, num_groups, weight, bias, eps, activation, m.scale, m.shift, input_offset,
-                                     input_bias, frames_last);
-    }
-  }
   // Terms the kernels do not add (another dtype or device, an offset of another shape: broadcasting and type
   // promotion) are added as `(x + input_bias) + input_offset` is in PyTorch, errors included; both, to keep the order.
   if ((input_offset.has_value() && !term_fusable(*input_offset, x, /*per_sample=*/true)) ||
@@ -415,6 +397,7 @@ at::Tensor group_norm_act_dispatch(const at::Tensor& x, int64_t num_groups, cons
   TORCH_CHECK_TYPE(x.is_floating_point() || x.is_complex(),
                    "gn_patch.group_norm_act: x must be a floating-point tensor, got " + dtype_str(x.scalar_type()));
   const OptTensor scale_b = broadcastable(scale, x, "scale"), shift_b = broadcastable(shift, x, "shift");
+  check_modulation_batches(scale_b, shift_b, x);
   check_values_per_group(x, num_groups);
   check_frames_last(x, frames_last);
   if (kernel_covers(x, num_groups, weight, bias, scale_b, shift_b)) {

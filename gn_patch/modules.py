@@ -77,6 +77,9 @@ class GroupNormAct(nn.GroupNorm):
             value = canonical_activation(value)
         elif name == "num_groups":
             value = check_num_groups(value)
+            # nn.GroupNorm's constructor sets num_groups before num_channels: a later assignment is checked too.
+            if "num_channels" in self.__dict__ and self.num_channels % value != 0:
+                raise ValueError("num_channels must be divisible by num_groups")
         elif name == "eps":
             value = check_eps(value)
         super().__setattr__(name, value)

@@ -445,6 +445,12 @@ def _pytorch_path(x, num_groups, weight, bias, eps, activation, scale=None, shif
     if not (x.is_floating_point() or x.is_complex()):
         raise TypeError(f"gn_patch.group_norm_act: x must be a floating-point tensor, got {x.dtype}")
     scale, shift = _broadcastable(scale, x, "scale"), _broadcastable(shift, x, "shift")
+    if scale is not None and shift is not None and not (scale.shape[0] == shift.shape[0] or 1 in
+                                                        (scale.shape[0], shift.shape[0])):
+        # An x of batch 1 leaves them to broadcast against each other: a ValueError, as autograd.cpp's
+        # check_modulation_batches, where PyTorch's broadcast would raise a RuntimeError.
+        raise ValueError(f"gn_patch.group_norm_act: scale and shift of batches {list(scale.shape)} and "
+                         f"{list(shift.shape)} do not broadcast together for input of shape {list(x.shape)}")
     y = _safe_group_norm(x, num_groups, weight, bias, eps)
     if x.is_cpu and not _functorch_wrapped(y):  # a wrapped x makes y wrapped too
         y = y.contiguous(memory_format=suggest_memory_format(x))
@@ -474,8 +480,8 @@ def _add_input_bias(x: torch.Tensor, input_bias: torch.Tensor | None) -> torch.T
 def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | None:
     """A per-sample scale or shift of shape (N, C) or (N, C, 1, ...), as a view that broadcasts against x. Of x's
     rank, a batch of 1 on either side broadcasts as ``h * (1 + scale) + shift`` does: one timestep embedding for
-    every image, or one image for a batch of embeddings (autograd.cpp's broadcast_batches expands them for the
-    kernels). An x of fewer than 2 dims is left to F.group_norm's check."""
+    every image (autograd.cpp's broadcastable expands it for the kernels), or one image for a batch of
+    embeddings (y then has their batch: PyTorch's ops). An x of fewer than 2 dims is left to F.group_norm's check."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -490,6 +496,19 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
                          f"dims (of x's rank, a batch of 1 in x or in {name} broadcasts over the other's), for input "
                          f"of shape {list(x.shape)}; got {list(t.shape)}")
     return t if broadcasts else t.reshape(n, c, *([1] * (x.dim() - 2)))
+
+
+def _check_tensor_arguments(weight, bias, scale, shift, input_bias) -> None:
+    """TypeError naming the first of these that is neither a tensor nor None (the OpOverload's schema error would
+    name the schema's type instead)."""
+    tensor = torch.Tensor
+    if not ((weight is None or isinstance(weight, tensor)) and (bias is None or isinstance(bias, tensor))
+            and (scale is None or isinstance(scale, tensor)) and (shift is None or isinstance(shift, tensor))
+            and (input_bias is None or isinstance(input_bias, tensor))):
+        for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
+                        ("input_bias", input_bias)):
+            if t is not None and not isinstance(t, tensor):
+                raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
 
 
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
@@ -508,6 +527,8 @@ def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: st
                                 frames_last)
             if y is not None:
                 return y
+        # The entry declined (an argument of another type, a subclass, a mode) or Dynamo traces: the OpOverload.
+        _check_tensor_arguments(weight, bias, scale, shift, input_bias)
         return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
                          frames_last)
     return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
@@ -576,13 +597,6 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     num_groups, eps = check_num_groups(num_groups), check_eps(eps)
-    tensor = torch.Tensor
-    if not ((weight is None or isinstance(weight, tensor)) and (bias is None or isinstance(bias, tensor))
-            and (scale is None or isinstance(scale, tensor)) and (shift is None or isinstance(shift, tensor))
-            and (input_bias is None or isinstance(input_bias, tensor))):
-        for name, t in (("weight", weight), ("bias", bias), ("scale", scale), ("shift", shift),
-                        ("input_bias", input_bias)):
-            if t is not None and not isinstance(t, tensor):
-                raise TypeError(f"gn_patch.group_norm_act: {name} must be a tensor or None, got {type(t).__name__}")
+    _check_tensor_arguments(weight, bias, scale, shift, input_bias)
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,
                            input_offset, input_bias, bool(frames_last))

@@ -36,7 +36,8 @@ def test_bad_arguments(kwargs, error, match):
     (dict(num_groups=0), ValueError, "num_groups must be positive, got 0"),
     (dict(eps=-1.0), ValueError, "eps must be a finite number >= 0"),
     (dict(eps=float("inf")), ValueError, "eps must be a finite number >= 0"),
-], ids=["num_groups_float", "num_groups_0", "eps_negative", "eps_inf"])
+    (dict(num_groups=3), ValueError, "num_channels must be divisible by num_groups"),
+], ids=["num_groups_float", "num_groups_0", "eps_negative", "eps_inf", "num_groups_not_dividing"])
 @pytest.mark.parametrize("loaded", [False, True], ids=["python_path", "extension"])
 def test_bad_arguments_assigned_after_construction(kwargs, error, match, loaded, monkeypatch, request):
     """num_groups and eps assigned to a module are checked then, as the constructor checks them, whichever path

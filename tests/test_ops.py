@@ -139,20 +139,52 @@ def test_batch_one_x_takes_the_modulation_batch(path, shift_batch, monkeypatch, 
     for got, leaf in zip((x.grad, scale.grad, shift.grad), leaves):
         assert got.shape == leaf.shape
         assert_close(got, leaf.grad, atol=1e-4, rtol=1e-4, what="grad")
+    # Stock's own ops on the one image, broadcast afterwards: the same bits and layout.
+    stock = F.silu(F.group_norm(x.detach(), 4) * (1 + scale.detach()) + shift.detach())
+    assert torch.equal(y.detach(), stock) and y.stride() == stock.stride()
+
+
+@pytest.mark.parametrize("path", ["python", "extension", "kernel_path"])
+def test_modulation_shape_errors(path, monkeypatch, request):
+    """A 1-D x given a scale gets F.group_norm's rank error (not one from the scale's check); a scale of another
+    batch gets the modulation's message, which names the shapes as given; with an x of batch 1, a 2-D scale of
+    another batch and a scale and shift of unequal batches are ValueErrors, a (1, C) shift beside a scale of x's
+    rank and batch 3 broadcasts, and a group of one value per image is F.group_norm's error (x as given, not
+    broadcast): the same on every route."""
+    if path == "python":
+        monkeypatch.setattr(extension, "loaded", False)
+    else:
+        request.getfixturevalue("kernel_path_on_cpu" if path == "kernel_path" else "ext")
+    with pytest.raises(RuntimeError, match="Expected at least 2 dimensions"):
+        gn_patch.group_norm_act(torch.randn(8), 4, scale=torch.randn(1, 8))
+    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\).*a batch of 1 in x or in scale broadcasts"
+                                         r".*input of shape \[3, 8, 2, 2\]; got \[2, 8, 1, 1\]"):
+        gn_patch.group_norm_act(torch.randn(3, 8, 2, 2), 4, scale=torch.randn(2, 8, 1, 1))
+    x1 = torch.randn(1, 8, 2, 2).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"scale must have shape .*input of shape \[1, 8, 2, 2\]; got \[3, 8\]"):
+        gn_patch.group_norm_act(x1, 4, scale=torch.randn(3, 8), shift=torch.randn(3, 8, 1, 1))
+    with pytest.raises(ValueError, match=r"scale and shift of batches \[2, 8, 1, 1\] and \[3, 8, 1, 1\] do not "
+                                         r"broadcast together"):
+        gn_patch.group_norm_act(x1, 4, scale=torch.randn(2, 8, 1, 1), shift=torch.randn(3, 8, 1, 1))
+    scale, shift = torch.randn(3, 8, 1, 1), torch.randn(1, 8)
+    y = gn_patch.group_norm_act(x1, 4, scale=scale, shift=shift)
+    assert torch.equal(y, F.silu(F.group_norm(x1, 4) * (1 + scale) + shift[:, :, None, None]))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        gn_patch.group_norm_act(torch.randn(1, 8, 1, 1), 8, scale=torch.randn(2, 8, 1, 1))
 
 
 @pytest.mark.parametrize("path", ["python", "extension"])
-def test_modulation_shape_errors(path, monkeypatch, request):
-    """A 1-D x given a scale gets F.group_norm's rank error (not one from the scale's check); a scale of another
-    batch gets the modulation's message, which names the shapes taken."""
+def test_module_argument_types(path, monkeypatch, request):
+    """GroupNormAct's forward names a scale, shift or input_bias that is no tensor in a TypeError, as
+    gn_patch.group_norm_act does, on either host path (the C++ entry declines such a call)."""
     if path == "python":
         monkeypatch.setattr(extension, "loaded", False)
     else:
         request.getfixturevalue("ext")
-    with pytest.raises(RuntimeError, match="Expected at least 2 dimensions"):
-        gn_patch.group_norm_act(torch.randn(8), 4, scale=torch.randn(1, 8))
-    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\).*a batch of 1 in x or in scale broadcasts"):
-        gn_patch.group_norm_act(torch.randn(3, 8, 2, 2), 4, scale=torch.randn(2, 8, 1, 1))
+    module, x = gn_patch.GroupNormAct(4, 8), torch.randn(2, 8, 3, 3)
+    for name, value in (("scale", 0.5), ("shift", [1.0] * 8), ("input_bias", 1.0)):
+        with pytest.raises(TypeError, match=f"{name} must be a tensor or None, got"):
+            module(x, **{name: value})
 
 
 @pytest.mark.parametrize("path", ["python", "extension"])

@@ -202,11 +202,14 @@ def test_batch_one_scale_shift_serves_every_sample(dtype):
 
 
 def test_batch_one_x_takes_the_modulation_batch_cuda():
-    """x of batch 1 with a scale and shift of x's rank for a batch of 3: y has batch 3 (stock's broadcast), and the
-    gradients (x's summed over the batch) against float64."""
+    """x of batch 1 with a scale and shift of x's rank for a batch of 3: y has batch 3, stock's own ops on the one
+    image broadcast afterwards (the same bits and layout), and the gradients (x's summed over the batch) against
+    float64."""
     x = random_input((1, 320, 16, 16), torch.float16, "cuda").requires_grad_(True)
     s, t = (p[:, :, None, None].clone().requires_grad_(True) for p in modulation(3, 320, torch.float16))
     y = gn_patch.group_norm_act(x, 32, scale=s, shift=t)
+    stock = F.silu(F.group_norm(x.detach(), 32) * (1 + s.detach()) + t.detach())
+    assert torch.equal(y.detach(), stock) and y.stride() == stock.stride()
     dy = random_input((3, 320, 16, 16), torch.float16, "cuda", scale=1.0, seed=5)
     y.backward(dy)
     leaves = [p.detach().double().requires_grad_(True) for p in (x, s, t)]

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as exc:
         print(f"gn_patch build failed: {exc}", file=sys.stderr)
         return 1
-    print(f"gn_patch CUDA extension built: {path}")
+    print(f"gn_patch CUDA extension ready (compiled now, or found up to date): {path}")
     return 0
 
 

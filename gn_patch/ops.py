@@ -557,7 +557,8 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             embedding of diffusers' ``time_embedding_norm="scale_shift"`` blocks and ``AdaGroupNorm``; x's dtype or
             float32. Of x's rank, a batch of 1 on either side broadcasts as ``h * (1 + scale) + shift`` does: a
             (1, C, 1, ...) serves every sample, and an x of batch 1 with a modulation of batch M gives y of batch M
-            (x expanded over it, as a block called with one image and M timestep embeddings computes).
+            (a block called with one image and M timestep embeddings: PyTorch's ops, the norm run once). A 2-D
+            (N, C) modulation must match x's batch.
         input_offset: optional tensor (or number) added to x before the normalisation, as ``x + input_offset``
             (diffusers' resnet blocks add their timestep embedding, shape (N, C, 1, 1), before norm2). The kernels
             add a per-sample offset of shape (N, C, 1, ...) (x's rank) and x's dtype as they load x, rounded to x's
@@ -592,7 +593,8 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
             tensor nor None; input_offset neither a tensor, a number nor None (PyTorch's add's message); num_groups
             not an int; eps not a number.
         ValueError: num_groups <= 0; eps negative, infinite or NaN; unknown activation; scale/shift of the wrong
-            shape; input_bias not of shape (C,); frames_last with an x that is not 5-D.
+            shape, or of batches that do not broadcast together; input_bias not of shape (C,); frames_last with
+            an x that is not 5-D.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")

@@ -23,6 +23,11 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 PYTHONUNBUFFERED=1
 export GN_PATCH_BUILD_DIR=$PWD/.build
+# A build killed mid-way (a `timeout` around an earlier call's step, on a machine still warm) leaves
+# torch.utils.cpp_extension's `lock` file in its build folder, and every later load there waits on it for ever
+# (session 29: the apex build of one call's peers step was killed so, and the next call's peers and ncu steps hung).
+# The steps of this script run one at a time and nothing else builds on this machine, so any lock found now is stale.
+find "$GN_PATCH_BUILD_DIR" -name lock -type f -delete 2>/dev/null
 status=0
 for step in "$@"; do
   start=$(date +%s)

@@ -25,7 +25,8 @@ export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 PYTHONUNBU
 export GN_PATCH_BUILD_DIR=$PWD/.build
 # A build killed mid-way (a `timeout` around an earlier call's step, on a machine still warm) leaves
 # torch.utils.cpp_extension's `lock` file in its build folder, and every later load there waits on it for ever
-# (session 29: the apex build of one call's peers step was killed so, and the next call's peers and ncu steps hung).
+# (torch 2.13 and older, as the device's 2.11: pytorch/pytorch#189245; in session 29 the apex build of one call's
+# peers step was killed so, and the next call's peers and ncu steps hung).
 # The steps of this script run one at a time and nothing else builds on this machine, so any lock found now is stale.
 find "$GN_PATCH_BUILD_DIR" -name lock -type f -delete 2>/dev/null
 status=0

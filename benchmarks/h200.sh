@@ -72,7 +72,7 @@ for step in "$@"; do
       ncu --clock-control none --cache-control none -k regex:"forward_kernel|backward_kernel|group_norm_nhwc" \
         --section LaunchStats --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section InstructionStats python3 benchmarks/tools/ncu_shapes.py --peers "$PWD/.peers" \
-        --peers-build-dir "$GN_PATCH_BUILD_DIR/peers" > "$OUT/ncu_shapes.txt" 2>&1 || status=1
+        > "$OUT/ncu_shapes.txt" 2>&1 || status=1
       tail -3 "$OUT/ncu_shapes.txt" ;;
     modes) python3 benchmarks/tools/channels_last_modes.py --json "$OUT/channels_last_modes.json" 2>&1 | tail -20 ;;
     conv3d) python3 benchmarks/tools/conv3d_layout.py --json "$OUT/conv3d_layout.json" 2>&1 | tail -60 || status=1 ;;

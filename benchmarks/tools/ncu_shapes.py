@@ -17,22 +17,23 @@ from pathlib import Path
 import torch
 
 from gn_patch import extension
-from gn_patch.bench.peers import load_peer
+from gn_patch.bench.peers import EPS, GROUPS, load_peer
 
 SHAPES = [(2, 1280, 8, 8), (2, 2560, 8, 8), (2, 1280, 16, 16), (2, 1280, 32, 32), (2, 320, 64, 64),
           (1, 512, 128, 128), (16, 640, 32, 32)]
-GROUPS, EPS = 32, 1e-5
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--peers", type=Path, help="folder of the peer kernels (../shared/peers' layout)")
-    parser.add_argument("--peers-build-dir", type=Path, default=Path(".build/peers"))
+    parser.add_argument("--peers-build-dir", type=Path, help="default: the benchmark's, $GN_PATCH_BUILD_DIR/peers "
+                        "or ~/.cache/gn_patch/peers")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     assert extension.kernels_available(), "the gn_patch extension did not build or load"
-    apex = load_peer("apex", args.peers, args.peers_build_dir) if args.peers else None
+    build_dir = args.peers_build_dir or extension.cache_root() / "peers"
+    apex = load_peer("apex", args.peers, build_dir) if args.peers else None
     forward, backward = torch.ops.gn_patch.group_norm_act, torch.ops.gn_patch.group_norm_act_backward
     for shape in SHAPES:
         x = (torch.randn(shape, device="cuda", dtype=dtype) * 3 + 1).to(memory_format=torch.channels_last)

@@ -18,6 +18,7 @@ Environment: ``GN_PATCH_BUILD_DIR`` overrides the cache folder (default ``~/.cac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -27,6 +28,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -215,6 +217,39 @@ def _compiles(library: Path, sources: list[Path]) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock of gn_patch's own on the build folder ``directory`` while
+    ``torch.utils.cpp_extension.load`` compiles or loads there, and clear a lock that a killed build of torch's left.
+
+    torch 2.13 and older guard a build folder with a file, ``lock``, whose existence alone makes every later build
+    wait (``torch.utils.file_baton.FileBaton``): a build killed by SIGKILL or SIGTERM (a notebook restarted in the
+    minutes of the first compile, a job's time limit) leaves it, and every later import waits on it for ever without
+    a word (pytorch/pytorch#189245; torch 2.14 takes an OS lock instead). This lock is an ``fcntl.flock`` on
+    ``directory/gn_patch.lock``, which the operating system releases when its holder dies: any other process
+    building here holds it, so a ``lock`` found while holding it is stale and is removed. Where ``fcntl`` does not
+    exist (not POSIX) torch's lock alone guards the folder.
+
+    Raises:
+        OSError: the lock file cannot be opened or locked.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    from torch.utils import cpp_extension
+
+    with open(directory / "gn_patch.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            if hasattr(cpp_extension, "FileBaton"):  # torch's existence lock, not an OS one: stale if present
+                (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(arch: str | None = None, verbose: bool = False) -> Path:
     """Load the extension (its ops, and its Python function as ``entry``), compiling it first where needed; return
     the path of the shared library.
@@ -252,16 +287,17 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
     previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
-        cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(path) for path in sources],
-            extra_cflags=CXX_FLAGS,
-            extra_cuda_cflags=NVCC_FLAGS,
-            extra_include_paths=library_include_paths(),
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with build_lock(directory):
+            cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(path) for path in sources],
+                extra_cflags=CXX_FLAGS,
+                extra_cuda_cflags=NVCC_FLAGS,
+                extra_include_paths=library_include_paths(),
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=verbose,
+            )
     except (RuntimeError, OSError, ValueError) as exc:  # cpp_extension reports compiler and version errors so
         raise BuildError(str(exc)) from exc
     finally:

@@ -214,3 +214,61 @@ def test_build_messages_where_a_compile_comes(tmp_path):
     assert extension._compiles(library, other)
     os.utime(csrc / "common.cuh")  # now: newer than the library
     assert extension._compiles(library, sources)
+
+
+posix_only = pytest.mark.skipif(os.name != "posix", reason="the build lock is POSIX's flock")
+
+
+def holds_lock(directory) -> bool:
+    """Whether some open file holds gn_patch's build lock of ``directory`` (a second open file description cannot
+    take it without waiting)."""
+    import fcntl
+
+    with open(directory / "gn_patch.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+@posix_only
+@pytest.mark.parametrize("file_baton", [True, False], ids=["torch<=2.13", "torch>=2.14"])
+def test_build_lock_excludes_other_builds_and_clears_a_stale_torch_lock(tmp_path, monkeypatch, file_baton):
+    """A killed build of torch 2.13 or older leaves cpp_extension's `lock`, on which every later load waits: under
+    gn_patch's lock no other build runs, so it is removed there. torch 2.14's `lock` is an OS lock, left alone."""
+    from torch.utils import cpp_extension
+
+    if file_baton:
+        monkeypatch.setattr(cpp_extension, "FileBaton", object, raising=False)
+    else:
+        monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
+    (tmp_path / "lock").write_text("")
+    with extension.build_lock(tmp_path):
+        assert holds_lock(tmp_path)
+        assert (tmp_path / "lock").exists() is not file_baton
+    assert not holds_lock(tmp_path)
+
+
+@posix_only
+def test_build_loads_under_the_lock(tmp_path, monkeypatch):
+    """build() calls cpp_extension.load while holding the build lock of its folder, and releases it, also when the
+    load fails."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(extension.torch.version, "cuda", extension.torch.version.cuda or "13.0")
+    monkeypatch.setattr(extension, "prebuilt_library", lambda arch: None)
+    monkeypatch.setattr(extension, "_cuda_home", lambda: "/usr/local/cuda")
+    monkeypatch.setattr(extension, "cache_root", lambda: tmp_path)
+    held = []
+
+    def load(build_directory, **kwargs):
+        held.append(holds_lock(extension.Path(build_directory)))
+        raise RuntimeError("compile failed (test)")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with pytest.raises(extension.BuildError, match="compile failed"):
+        extension.build("9.0")
+    assert held == [True]
+    assert not holds_lock(extension.build_directory("9.0"))

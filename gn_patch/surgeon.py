@@ -43,12 +43,31 @@ __all__ = ["PatchReport", "patch_model", "unpatch_model"]
 # ------------------------------------------------------------------------------------------------
 def _walk(surgery: Surgery, model: nn.Module) -> None:
     """Apply the registered rules to every module of ``model``, in module order (a block before its norms), then
-    run every GroupNorm no rule fused on its own."""
+    run every GroupNorm no rule fused on its own. GroupNorms an earlier call ran alone are decided again: what kept
+    them from fusing then (a hook since removed) may be gone; those that run alone again count as already patched.
+    """
+    reopened = _reopen_alone(model)
     for name, module in model.named_modules():
         rule = RULES.get(type(module))
         if rule is not None:
             rule(surgery, name, module)
     _run_the_rest_alone(surgery, model)
+    report = surgery.report
+    again = [(name, why) for name, why in report.alone if id(model.get_submodule(name)) in reopened]
+    report.alone = [entry for entry in report.alone if entry not in again]
+    report.already_patched += [(name, "GroupNorm alone") for name, _ in again]
+
+
+def _reopen_alone(model: nn.Module) -> set[int]:
+    """Switch the GroupNorms that an earlier patch_model ran alone (StockLayoutGroupNorm, nothing added but the
+    identity activation) back to nn.GroupNorm for the rules; returns their ids. One whose forward was wrapped on
+    the instance since stays as it is (as a GroupNorm it could not be switched again)."""
+    reopened = set()
+    for module in model.modules():
+        if type(module) is StockLayoutGroupNorm and forward_override_problem(module) is None:
+            restore(module)
+            reopened.add(id(module))
+    return reopened
 
 
 def _run_the_rest_alone(surgery: Surgery, model: nn.Module) -> None:
@@ -61,7 +80,7 @@ def _run_the_rest_alone(surgery: Surgery, model: nn.Module) -> None:
             if id(module) in surgery.declined:  # a norm of another class (AdaGroupNorm, ...) a rule could not fuse
                 surgery.skip(name, module, surgery.declined[id(module)])
             continue
-        if type(module) is StockLayoutGroupNorm:
+        if type(module) is StockLayoutGroupNorm:  # run alone by an earlier call, its forward wrapped since
             surgery.already(name, module, "GroupNorm alone")
         elif isinstance(module, GroupNormAct):  # the user's own GroupNormAct
             continue
@@ -132,9 +151,19 @@ def _offloaded(module: nn.Module) -> bool:
                for hook in accelerate_hooks(module))
 
 
+# Where the conv classes whose code was read live: subclasses defined there (diffusers' causal and chunked Conv3d
+# of the video VAEs, PyTorch's QAT convs) call the stock convolution on the weight as it is.
+_KNOWN_CONV_PACKAGES = ("torch", "diffusers")
+
+
 def _layout_kept(module: nn.Module, weight: nn.Parameter) -> str | None:
     """Why patch_model leaves the layout of ``module``'s ``weight`` as it is; None for a plain tensor the module
     owns, which it converts."""
+    package = type(module).__module__.partition(".")[0]
+    if type(module) not in _CHANNELS_LAST | _CHANNELS_LAST_3D and package not in _KNOWN_CONV_PACKAGES:
+        return (f"{type(module).__qualname__} ({type(module).__module__}) subclasses a torch conv with code gn_patch "
+                "has not read, which may need a contiguous weight (a .view of it, as weight-standardised convs "
+                "take)")
     if _offloaded(module):
         return ("offloaded by accelerate (cpu_offload, enable_sequential_cpu_offload): its hook loads its own copy "
                 "of the weight on every call; patch before offloading")
@@ -157,8 +186,22 @@ def _make_conv_weights_channels_last(model: nn.Module, formats: dict[type, torch
         if reason is not None:
             report.layout_kept.append((name, reason))
         elif _restride(weight, memory_format):
-            changed.append(name)
-    return changed
+            changed.append((name, weight))
+    _warn_about_trained_weights([weight for _, weight in changed], "patch_model")
+    return [name for name, _ in changed]
+
+
+def _warn_about_trained_weights(weights: list[nn.Parameter], function: str) -> None:
+    """Warn when weights whose memory format changed have gradients: training has begun, and an optimizer created
+    before keeps its state (Adam's exp_avg, exp_avg_sq) in the old layout, which a fused optimizer pairs with the
+    weight by memory offset (PyTorch's CPU fused AdamW updates wrongly; CUDA's raises, pytorch/pytorch#110758)."""
+    trained = sum(weight.grad is not None for weight in weights)
+    if trained:
+        warnings.warn(f"gn_patch: {function} changed the memory format of {trained} conv weight(s) that have "
+                      "gradients: an optimizer created before keeps its state in the old layout, which fused "
+                      "optimizers (AdamW(fused=True)) mishandle; create the optimizer after patch_model (or patch "
+                      "with channels_last='activations', which leaves parameters as they are)", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _restride(weight: nn.Parameter, memory_format: torch.memory_format) -> bool:
@@ -171,6 +214,8 @@ def _restride(weight: nn.Parameter, memory_format: torch.memory_format) -> bool:
     if restrided.stride() == weight.data.stride():
         return False
     weight.data = restrided
+    if weight.grad is not None:  # accumulated into as it is: the gradient follows the weight's layout
+        weight.grad = weight.grad.contiguous(memory_format=memory_format)
     return True
 
 
@@ -185,10 +230,9 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
     weights = {_without_peft_wrappers(name): weight
                for name, module, weight, _ in _conv_weights(model, _CHANNELS_LAST | _CHANNELS_LAST_3D)
                if _layout_kept(module, weight) is None}
-    for name in names:
-        weight = weights.get(name)
-        if weight is not None:
-            _restride(weight, torch.contiguous_format)
+    restored = [weights[name] for name in names if name in weights]
+    restored = [weight for weight in restored if _restride(weight, torch.contiguous_format)]
+    _warn_about_trained_weights(restored, "unpatch_model")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,7 +308,11 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
     hooks that keep the weights themselves (cpu_offload, enable_sequential_cpu_offload) load their own copies on
     every call: patch before them (after them the conv weights keep their layout, report.layout_kept; and
     unpatch_model after them leaves their copies channels_last);
-    forward hooks on a GroupNorm or on the activation it would absorb keep that pair unfused. A patched block relies
+    forward hooks on a GroupNorm or on the activation it would absorb, or global module hooks
+    (register_module_forward_hook), keep that pair unfused (a block whose forward is edited as one keeps all its
+    pairs unfused; the report names the module the reason comes from), and a later call fuses what they kept apart
+    once they are removed. Patch before creating the optimizer: the conv weights change memory format in place,
+    and an optimizer's state keeps the old one (a warning says so where weights have gradients). A patched block relies
     on its fused norms: replace submodules of a patched model only after unpatch_model. A fused nn.Sequential pair
     assumes its items run in order (calling the Sequential, or iterating over it); calling the GroupNorm item alone
     then applies the activation too.
@@ -281,7 +329,8 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
             inside the model that returns NCHW (some video VAEs' resampling) ends the NHWC flow there: only
             channels_last weights restore it. Needed for FSDP2's fully_shard, which refuses non-contiguous
             parameters. False: neither. Parameters that are DTensors (patch_model after fully_shard) or other
-            tensor subclasses are never converted (``report.layout_kept``).
+            tensor subclasses are never converted, nor the weights of conv subclasses defined outside torch and
+            diffusers, whose code may need a contiguous weight (``report.layout_kept``).
         channels_last_3d: the same for 5-D activations (NDHWC), with channels_last True: the
             Conv3d/ConvTranspose3d weights become channels_last_3d (cuDNN then runs its NDHWC convolutions;
             measure them with benchmarks/tools/conv3d_layout.py); with ``"activations"``: 5-D tensor arguments
@@ -294,12 +343,14 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
 
     Raises:
         TypeError: ``model`` is not a torch.nn.Module.
-        ValueError: ``channels_last`` is not True, False or "activations".
+        ValueError: ``channels_last`` is not True, False or "activations"; ``channels_last_3d`` is not a bool.
     """
     _check_module(model, "patch_model")
     if not (isinstance(channels_last, bool) or channels_last == "activations"):
         raise ValueError(f"patch_model: channels_last must be True (channels_last conv weights), 'activations' "
                          f"(channels-last inputs, parameters as they are) or False, got {channels_last!r}")
+    if not isinstance(channels_last_3d, bool):
+        raise ValueError(f"patch_model: channels_last_3d must be True or False, got {channels_last_3d!r}")
     surgery = Surgery(model, bool(channels_last))
     _walk(surgery, model)
     version_skips = [reason for _, reason in surgery.report.skipped + surgery.report.alone if VERSION_SKIP in reason]

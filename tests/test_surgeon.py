@@ -1070,6 +1070,106 @@ def test_group_norm_with_hooks_is_not_fused():
     assert all("hooks" in reason for _, reason in report.alone)
 
 
+def test_a_siblings_hook_is_named_in_the_reason():
+    """A block's forward is edited as one, so a hook on norm1 keeps norm2 unfused too: its reason names norm1."""
+    block = make_resnet()
+    block.norm1.register_forward_hook(lambda module, args, output: None)
+    report = patch_model(block)
+    assert dict(report.alone)["norm2"].startswith("ResnetBlock2D: norm1: forward/backward hooks")
+
+
+def test_a_second_call_fuses_what_a_removed_hook_kept_apart():
+    block = make_resnet()
+    handle = block.norm1.register_forward_hook(lambda module, args, output: None)
+    patched = copy.deepcopy(block)
+    first = patch_model(patched)
+    assert first.patched == [] and len(first.alone) == 2
+    for module in (block.norm1, patched.norm1):
+        module._forward_hooks.clear()
+    handle.remove()
+    second = patch_model(patched)
+    assert [name for name, _ in second.patched] == ["norm1", "norm2"] and second.already_patched == []
+    assert type(patched) is rules.fusion._FusedResnetBlock2D
+    with torch.no_grad():
+        assert_same_outputs(run_resnet(block)(patched), run_resnet(block)(block), 1e-5)
+    third = patch_model(patched)
+    assert third.patched == [] and third.already_patched == second.patched
+
+
+def test_a_lone_norm_stays_already_patched_on_a_second_call():
+    norm = nn.GroupNorm(4, 16)
+    model = nn.ModuleDict(dict(seq=nn.Sequential(norm, nn.SiLU()), other=norm))
+    patch_model(model)
+    again = patch_model(model)
+    assert again.patched == again.alone == [] and again.already_patched == [("seq.0", "GroupNorm alone")]
+    assert type(norm) is rules.base.StockLayoutGroupNorm
+
+
+def test_global_module_hooks_keep_pairs_unfused():
+    """A hook registered for every module sees each norm's output: fused, it would see the activation's."""
+    block = make_resnet()
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: seen.append(output) if isinstance(module, nn.GroupNorm) else None)
+    try:
+        patched, report = patched_matches(block, run_resnet(block))
+        with torch.no_grad():
+            seen.clear()
+            run_resnet(block)(block)
+            stock_outputs, seen[:] = list(seen), []
+            run_resnet(block)(patched)
+    finally:
+        handle.remove()
+    assert report.patched == [] and all("global" in reason for _, reason in report.alone)
+    assert len(seen) == len(stock_outputs) == 2
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(seen, stock_outputs))
+
+
+def test_unpatch_gives_the_activations_back_in_the_models_mode():
+    model = nn.Sequential(nn.Conv2d(8, 8, 1), nn.GroupNorm(2, 8), nn.SiLU()).eval()
+    assert patch_model(model).patched
+    assert not any(module.training for module in model.modules())
+    unpatch_model(model)
+    assert type(model[2]) is nn.SiLU and not any(module.training for module in model.modules())
+
+
+class WeightStandardizedConv2d(nn.Conv2d):
+    """A conv subclass of a user's whose forward needs a contiguous weight (``.view``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.weight.view(self.out_channels, -1)
+        weight = ((flat - flat.mean(1, keepdim=True)) / (flat.std(1, keepdim=True) + 1e-5)).view_as(self.weight)
+        return self._conv_forward(x, weight, self.bias)
+
+
+def test_conv_subclasses_of_unread_code_keep_their_layout():
+    torch.manual_seed(0)
+    model = nn.Sequential(WeightStandardizedConv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                          nn.Conv2d(16, 8, 3, padding=1))
+    patched, report = patched_matches(model, lambda m: m(randn(2, 8, 8, 8)))
+    assert report.channels_last == 1 and patched[3].weight.is_contiguous(memory_format=torch.channels_last)
+    [(name, reason)] = report.layout_kept
+    assert name == "0.weight" and "WeightStandardizedConv2d" in reason and patched[0].weight.is_contiguous()
+
+
+def test_patching_a_model_in_training_restrides_the_gradients_and_warns():
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU())
+    model(randn(2, 8, 8, 8)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="create the optimizer after patch_model"):
+        patch_model(model)
+    weight = model[0].weight
+    assert weight.grad.stride() == weight.stride() and weight.is_contiguous(memory_format=torch.channels_last)
+    with pytest.warns(RuntimeWarning, match="unpatch_model changed the memory format of 1 conv weight"):
+        unpatch_model(model)
+    assert weight.is_contiguous() and weight.grad.is_contiguous()
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_channels_last_3d_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="channels_last_3d must be True or False"):
+        patch_model(make_resnet(), channels_last_3d=value)
+
+
 def test_hooks_on_the_block_keep_working():
     block = make_resnet()
     patched = copy.deepcopy(block)

@@ -241,6 +241,7 @@ class FusedActivation(nn.Identity):
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
         self.__dict__["original"] = original  # a plain attribute, not a submodule: module names stay the same
+        self.train(original.training)  # the model's mode, which unpatch_model gives the original back
 
     def extra_repr(self) -> str:
         return f"fused into the preceding GroupNormAct: {self.original}"
@@ -280,8 +281,23 @@ def activation_name(module) -> str | None:
     return _ACTIVATION_MODULES.get(kind)
 
 
+def global_hooks() -> bool:
+    """Hooks registered for every module (torch.nn.modules.module.register_module_forward_hook and its siblings):
+    they see each module's input and output, the norms' and activations' included."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+
+
 def has_output_hooks(module: nn.Module) -> bool:
+    """Hooks of the module's own that see its output or its gradient."""
     return bool(module._forward_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+def output_seen(module: nn.Module) -> bool:
+    """Hooks, the module's own or global ones, see ``module``'s output or its gradient: fusing what follows into it
+    would show them another output."""
+    return bool(has_output_hooks(module) or torch_module._global_forward_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
 
 
 def has_hooks(module: nn.Module) -> bool:
@@ -295,9 +311,7 @@ def runs_forward_only(module: nn.Module) -> bool:
     accelerate's remove_hook_from_module leaves, not compiled by ``module.compile()``."""
     own = module.__dict__.get("forward")
     return not (has_hooks(module) or (own is not None and not is_bound_class_forward(own, module))
-                or module._compiled_call_impl is not None
-                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+                or module._compiled_call_impl is not None or global_hooks())
 
 
 def accelerate_hooks(module: nn.Module) -> tuple:
@@ -351,8 +365,9 @@ class Surgery:
             return f"{type(norm).__name__} is not a plain torch.nn.GroupNorm"
         if self.uses[id(norm)] > 1:
             return "the GroupNorm is registered in several places, not all followed by the activation"
-        if has_output_hooks(norm):
-            return "forward/backward hooks on the GroupNorm would see the activated output"
+        if output_seen(norm):
+            return ("forward/backward hooks on the GroupNorm (its own, or global ones: register_module_forward_hook) "
+                    "would see the activated output")
         if not only_moves_tensors(norm):
             return f"accelerate hook {type(norm._hf_hook).__name__} on the GroupNorm may change its output"
         return forward_override_problem(norm) or settings_problem(norm)
@@ -362,8 +377,9 @@ class Surgery:
         kind = type(activation).__name__
         if activation_name(activation) is None:
             return f"the next op, {kind}, is not an activation with a fused kernel (SiLU, GELU, ReLU, Mish)"
-        if has_hooks(activation) or "_hf_hook" in activation.__dict__ or "forward" in activation.__dict__:
-            return f"hooks on the activation {kind} would no longer run"
+        if (has_hooks(activation) or global_hooks() or "_hf_hook" in activation.__dict__
+                or "forward" in activation.__dict__):
+            return f"hooks on the activation {kind} (its own, or global ones) would no longer run"
         return None
 
 

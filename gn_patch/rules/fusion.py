@@ -38,7 +38,7 @@ from torch import nn
 from ..ops import canonical_activation
 from ..report import join_name
 from .base import (ORIGINAL_CLASS, RULES, FusedActivation, FusedGroupNorm, Surgery, activation_name,
-                   forward_override_problem, fuse_norm, has_output_hooks, rule, set_class, stands_in_for,
+                   forward_override_problem, fuse_norm, output_seen, rule, set_class, stands_in_for,
                    unverified, verified)
 
 # Activation functions a forward may call by name -> gn_patch's activation.
@@ -403,7 +403,7 @@ def _module_problem(s: Surgery, module: nn.Module, spec_cls: type, wrapper: bool
     """Why ``module`` cannot get its patched class: other code, a forward wrapped on the instance, or (a norm or
     wrapper whose output changes) several uses or output hooks."""
     problem = unverified(spec_cls.forward) or forward_override_problem(module)
-    if problem is None and wrapper and (s.uses[id(module)] > 1 or has_output_hooks(module)):
+    if problem is None and wrapper and (s.uses[id(module)] > 1 or output_seen(module)):
         problem = f"{spec_cls.__name__} is registered in several places or has forward hooks"
     return problem
 
@@ -462,6 +462,10 @@ def _activation(module: nn.Module, spec: Fusion, source: str) -> str:
     return _resolver(inspect.unwrap(spec.cls.forward).__globals__)(ast.parse(source, mode="eval").body)
 
 
+def _named(attr: str, problem: str | None) -> str | None:
+    return None if problem is None else f"{attr}: {problem}"
+
+
 def _handler(spec: Fusion) -> Callable[[Surgery, str, nn.Module], None]:
     """The rule of ``spec.cls`` (and of its fused class): all of the spec or nothing, per instance."""
 
@@ -478,12 +482,15 @@ def _handler(spec: Fusion) -> Callable[[Surgery, str, nn.Module], None]:
         if any(leaves[attr] is None for attr in (*spec.activations, *spec.modulated)):
             return  # the instance holds other norms (CogVideoX's decoder blocks take spatial norms): their rules
         problem = _module_problem(s, module, spec.cls, wrapper=spec.output is not None)
+        # A problem of one norm or activation keeps the whole block as stock (its forward is edited as one): each
+        # reason names the module it comes from, so that a sibling's entry does not read as its own.
         for attr in spec.norms:
             if problem is None and leaves[attr] is not None and not _is_fused_norm(leaves[attr][1]):
-                problem = _path_problem(s, getattr(module, attr))
+                problem = _named(attr, _path_problem(s, getattr(module, attr)))
         for source in spec.activations.values():
             if problem is None and source.startswith("self."):
-                problem = s.activation_problem(getattr(module, source.removeprefix("self.")))
+                attr = source.removeprefix("self.")
+                problem = _named(attr, s.activation_problem(getattr(module, attr)))
         if problem is not None:
             for leaf in leaves.values():
                 if leaf is not None:

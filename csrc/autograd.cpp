@@ -75,10 +75,10 @@ OptTensor broadcastable(const OptTensor& t, const at::Tensor& x, const char* nam
   const bool per_sample = ok && !one_for_all && holds(t->sym_size(0).sym_eq(N));
   const bool over_x = ok && of_x_rank && !one_for_all && !per_sample && holds(N.sym_eq(1));
   TORCH_CHECK_VALUE(one_for_all || per_sample || over_x,
-                    std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C), or (N, C) followed "
-                        "by size-1 dims (of x's rank, a batch of 1 in x or in " + name + " broadcasts over the "
-                        "other's), for input of shape " + shape_str(x.sym_sizes()) + "; got " +
-                        shape_str(t->sym_sizes()));
+                    std::string("gn_patch.group_norm_act: ") + name + " must have shape (N, C) or (N, C, 1, ...) "
+                        "with N x's batch, for input of shape " + shape_str(x.sym_sizes()) + "; got " +
+                        shape_str(t->sym_sizes()) + " (with x's rank, a batch of 1 on either side broadcasts, as in "
+                        "h * (1 + scale) + shift)");
   if (over_x) return t;
   if (per_sample) return sample_view(*t, x);
   std::vector<c10::SymInt> over_the_batch = t->sym_sizes().vec();

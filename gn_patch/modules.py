@@ -29,8 +29,8 @@ class GroupNormAct(nn.GroupNorm):
 
     ``forward(x, scale=None, shift=None, input_offset=None, input_bias=None)``: x is (N, C, *spatial); the optional
     per-sample scale and shift of shape (N, C) or (N, C, 1, ...) give ``act(GroupNorm(x) * (1 + scale) + shift)``
-    (of x's rank, a batch of 1 in x or in scale/shift broadcasts over the other's, as that expression does: one
-    embedding for every image, or one image for M embeddings, y then of batch M);
+    (with x's rank, a batch of 1 on either side broadcasts, as that expression does: one embedding for every image,
+    or one image for M embeddings, y then of batch M);
     ``input_offset`` (a timestep embedding of shape (N, C, 1, 1), say) and ``input_bias`` (the (C,) bias of the
     convolution that produced x, left out of it) give
     ``act(GroupNorm((x + input_bias.view(1, C, 1, ...)) + input_offset))``, the sums formed as the kernels load x;

@@ -492,9 +492,9 @@ def _broadcastable(t: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.
     broadcasts = t.dim() == x.dim() and (t.shape[0] == 1 or n == 1)
     if (t.dim() < 2 or t.shape[1] != c or not (broadcasts or t.shape[0] == n)
             or any(size != 1 for size in t.shape[2:]) or t.dim() > x.dim()):
-        raise ValueError(f"gn_patch.group_norm_act: {name} must have shape (N, C), or (N, C) followed by size-1 "
-                         f"dims (of x's rank, a batch of 1 in x or in {name} broadcasts over the other's), for input "
-                         f"of shape {list(x.shape)}; got {list(t.shape)}")
+        raise ValueError(f"gn_patch.group_norm_act: {name} must have shape (N, C) or (N, C, 1, ...) with N x's "
+                         f"batch, for input of shape {list(x.shape)}; got {list(t.shape)} (with x's rank, a batch of "
+                         "1 on either side broadcasts, as in h * (1 + scale) + shift)")
     return t if broadcasts else t.reshape(n, c, *([1] * (x.dim() - 2)))
 
 
@@ -513,7 +513,8 @@ def _check_tensor_arguments(weight, bias, scale, shift, input_bias) -> None:
 
 def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: str, scale=None, shift=None,
                     input_offset=None, input_bias=None, frames_last: bool = False) -> torch.Tensor:
-    """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical."""
+    """One call of the op layer (GroupNormAct.forward's hot path): activation is already canonical. The tensor
+    arguments' types are checked where the C++ entry does not take the call (it declines other types)."""
     if input_offset is not None and not isinstance(input_offset, torch.Tensor):
         # A Python number, as `hidden_states + temb` takes it (after the bias: the order of the adds).
         if not isinstance(x, torch.Tensor):
@@ -531,6 +532,7 @@ def _group_norm_act(x, num_groups: int, weight, bias, eps: float, activation: st
         _check_tensor_arguments(weight, bias, scale, shift, input_bias)
         return _DISPATCH(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
                          frames_last)
+    _check_tensor_arguments(weight, bias, scale, shift, input_bias)
     return _pytorch_path(x, num_groups, weight, bias, eps, activation, scale, shift, input_offset, input_bias,
                          frames_last)
 
@@ -599,6 +601,5 @@ def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gn_patch.group_norm_act: x must be a tensor, got {type(x).__name__}")
     num_groups, eps = check_num_groups(num_groups), check_eps(eps)
-    _check_tensor_arguments(weight, bias, scale, shift, input_bias)
     return _group_norm_act(x, num_groups, weight, bias, eps, canonical_activation(activation), scale, shift,
                            input_offset, input_bias, bool(frames_last))

@@ -157,8 +157,9 @@ def test_modulation_shape_errors(path, monkeypatch, request):
         request.getfixturevalue("kernel_path_on_cpu" if path == "kernel_path" else "ext")
     with pytest.raises(RuntimeError, match="Expected at least 2 dimensions"):
         gn_patch.group_norm_act(torch.randn(8), 4, scale=torch.randn(1, 8))
-    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\).*a batch of 1 in x or in scale broadcasts"
-                                         r".*input of shape \[3, 8, 2, 2\]; got \[2, 8, 1, 1\]"):
+    with pytest.raises(ValueError, match=r"scale must have shape \(N, C\) or \(N, C, 1, ...\) with N x's batch, "
+                                         r"for input of shape \[3, 8, 2, 2\]; got \[2, 8, 1, 1\] \(with x's rank, "
+                                         r"a batch of 1 on either side broadcasts"):
         gn_patch.group_norm_act(torch.randn(3, 8, 2, 2), 4, scale=torch.randn(2, 8, 1, 1))
     x1 = torch.randn(1, 8, 2, 2).contiguous(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match=r"scale must have shape .*input of shape \[1, 8, 2, 2\]; got \[3, 8\]"):

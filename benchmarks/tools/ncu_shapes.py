@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gn_patch import extension
-from gn_patch.bench.peers import EPS, GROUPS, load_peer
+from gn_patch.bench.peers import EPS, GROUPS, apex_passes, load_peer
 
 SHAPES = [(2, 1280, 8, 8), (2, 2560, 8, 8), (2, 1280, 16, 16), (2, 1280, 32, 32), (2, 320, 64, 64),
           (1, 512, 128, 128), (16, 640, 32, 32)]
@@ -44,7 +44,7 @@ def main() -> None:
         for _ in range(2):
             backward(dy, x, w, b, None, None, mean, rstd, GROUPS, "silu", [True, True, True, False, False])
         if apex is not None:
-            passes = 2 if shape[2] * shape[3] > 1024 else 1  # the peer harness's choice between apex's kernels
+            passes = apex_passes(shape)
             for _ in range(2):
                 _, sums = apex.forward(x, GROUPS, w, b, EPS, passes, True)
             for _ in range(2):

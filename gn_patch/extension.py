@@ -26,6 +26,7 @@ import os
 import site
 import shutil
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -228,26 +229,35 @@ def build_lock(directory: Path) -> Iterator[None]:
     a word (pytorch/pytorch#189245; torch 2.14 takes an OS lock instead). This lock is an ``fcntl.flock`` on
     ``directory/gn_patch.lock``, which the operating system releases when its holder dies: any other process
     building here holds it, so a ``lock`` found while holding it is stale and is removed. Where ``fcntl`` does not
-    exist (not POSIX) torch's lock alone guards the folder.
+    exist (not POSIX) torch's lock alone guards the folder. Reentrant within a thread; ``directory`` may be a str.
 
     Raises:
         OSError: the lock file cannot be opened or locked.
     """
+    directory = Path(directory).resolve()
+    held = _held_build_locks.__dict__.setdefault("folders", set())
     try:
         import fcntl
     except ImportError:
+        fcntl = None
+    if fcntl is None or directory in held:  # not POSIX; or this thread holds it already (a second flock would wait)
         yield
         return
     from torch.utils import cpp_extension
 
     with open(directory / "gn_patch.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
+        held.add(directory)
         try:
             if hasattr(cpp_extension, "FileBaton"):  # torch's existence lock, not an OS one: stale if present
                 (directory / "lock").unlink(missing_ok=True)
             yield
         finally:
+            held.discard(directory)
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_held_build_locks = threading.local()  # .folders: the build folders whose lock this thread holds
 
 
 def build(arch: str | None = None, verbose: bool = False) -> Path:

@@ -36,8 +36,8 @@ class PatchReport:
             each transformers component holding a GroupNorm, which it leaves alone).
         channels_last: number of conv weights this call converted to channels_last (4-D) or channels_last_3d (5-D).
         layout_kept: (weight name, reason) of every conv weight this call would have converted but left as it is:
-            DTensors (sharded by FSDP2's fully_shard) and other tensor subclasses, offloaded weights, and those of
-            conv subclasses defined outside torch and diffusers.
+            DTensors (sharded by FSDP2's fully_shard) and other tensor subclasses, offloaded weights, lazy convs not
+            yet called, and conv subclasses defined outside torch and diffusers with a forward of their own.
         channels_last_inputs: names of the modules whose tensor arguments this call's ``channels_last="activations"``
             makes channels-last, in a forward pre-hook (the root is ``""``).
         cuda_graphs: from patch_pipeline, the pipeline's live :class:`~gn_patch.cuda_graphs.CUDAGraphs` (captured

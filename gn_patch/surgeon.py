@@ -24,9 +24,11 @@ and a warning say so, rather than change results silently.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .modules import GroupNormAct
 from .report import PatchReport, join_name
@@ -55,7 +57,7 @@ def _walk(surgery: Surgery, model: nn.Module) -> None:
     report = surgery.report
     again = [(name, why) for name, why in report.alone if id(model.get_submodule(name)) in reopened]
     report.alone = [entry for entry in report.alone if entry not in again]
-    report.already_patched += [(name, "GroupNorm alone") for name, _ in again]
+    report.already_patched += [(name, f"GroupNorm alone: {why}") for name, why in again]
 
 
 def _reopen_alone(model: nn.Module) -> set[int]:
@@ -156,14 +158,28 @@ def _offloaded(module: nn.Module) -> bool:
 _KNOWN_CONV_PACKAGES = ("torch", "diffusers")
 
 
+def _unread_conv_code(cls: type) -> type | None:
+    """The first class of ``cls``'s MRO, before the torch conv class it derives from, that is defined outside torch
+    and diffusers and defines its own forward or _conv_forward (through wrapper classes: parametrize's
+    ``Parametrized<Class>`` is torch's, its class is not); None when there is none."""
+    for base in cls.__mro__:
+        if base in _CHANNELS_LAST or base in _CHANNELS_LAST_3D:
+            return None
+        own_forward = "forward" in vars(base) or "_conv_forward" in vars(base)
+        if own_forward and base.__module__.partition(".")[0] not in _KNOWN_CONV_PACKAGES:
+            return base
+    return None
+
+
 def _layout_kept(module: nn.Module, weight: nn.Parameter) -> str | None:
     """Why patch_model leaves the layout of ``module``'s ``weight`` as it is; None for a plain tensor the module
     owns, which it converts."""
-    package = type(module).__module__.partition(".")[0]
-    if type(module) not in _CHANNELS_LAST | _CHANNELS_LAST_3D and package not in _KNOWN_CONV_PACKAGES:
-        return (f"{type(module).__qualname__} ({type(module).__module__}) subclasses a torch conv with code gn_patch "
-                "has not read, which may need a contiguous weight (a .view of it, as weight-standardised convs "
-                "take)")
+    if nn.parameter.is_lazy(weight):
+        return "not initialised yet (a lazy conv before its first call): patch after that call"
+    unread = _unread_conv_code(type(module))
+    if unread is not None:
+        return (f"{unread.__qualname__} ({unread.__module__}) subclasses a torch conv with a forward gn_patch has not "
+                "read, which may need a contiguous weight (a .view of it, as weight-standardised convs take)")
     if _offloaded(module):
         return ("offloaded by accelerate (cpu_offload, enable_sequential_cpu_offload): its hook loads its own copy "
                 "of the weight on every call; patch before offloading")
@@ -187,21 +203,48 @@ def _make_conv_weights_channels_last(model: nn.Module, formats: dict[type, torch
             report.layout_kept.append((name, reason))
         elif _restride(weight, memory_format):
             changed.append((name, weight))
-    _warn_about_trained_weights([weight for _, weight in changed], "patch_model")
+    _note_restrided([weight for _, weight in changed])
     return [name for name, _ in changed]
 
 
-def _warn_about_trained_weights(weights: list[nn.Parameter], function: str) -> None:
-    """Warn when weights whose memory format changed have gradients: training has begun, and an optimizer created
-    before keeps its state (Adam's exp_avg, exp_avg_sq) in the old layout, which a fused optimizer pairs with the
-    weight by memory offset (PyTorch's CPU fused AdamW updates wrongly; CUDA's raises, pytorch/pytorch#110758)."""
-    trained = sum(weight.grad is not None for weight in weights)
-    if trained:
-        warnings.warn(f"gn_patch: {function} changed the memory format of {trained} conv weight(s) that have "
-                      "gradients: an optimizer created before keeps its state in the old layout, which fused "
-                      "optimizers (AdamW(fused=True)) mishandle; create the optimizer after patch_model (or patch "
-                      "with channels_last='activations', which leaves parameters as they are)", RuntimeWarning,
-                      stacklevel=3)
+# Optimizer state that follows the weights patch_model and unpatch_model restride. Fused optimizers (AdamW(fused=True)
+# on CPU and CUDA, bitsandbytes') pair a parameter's elements with its state's by memory offset: state created
+# before a restride (Adam's exp_avg, exp_avg_sq) would be updated against the wrong elements (PyTorch's CPU fused
+# AdamW silently; CUDA's raises, pytorch/pytorch#110758). A global optimizer step pre-hook, registered at the first
+# restride, gives such state the parameter's strides at each optimizer's first step after one: the values stay,
+# every optimizer works whenever it was created. Checked once per optimizer and restride (a generation count), not
+# per step.
+_restrided: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+_restride_generation = 0
+_aligned_generation: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> generation seen
+_state_hook = None
+
+
+def _note_restrided(weights: list[nn.Parameter]) -> None:
+    """Record ``weights`` as restrided, for _align_optimizer_state."""
+    global _restride_generation, _state_hook
+    if not weights:
+        return
+    for weight in weights:
+        _restrided[id(weight)] = weight
+    _restride_generation += 1
+    if _state_hook is None:
+        _state_hook = register_optimizer_step_pre_hook(_align_optimizer_state)
+
+
+def _align_optimizer_state(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: the state tensors of the parameter's shape of every restrided parameter of
+    ``optimizer`` get the parameter's strides (same values)."""
+    if _aligned_generation.get(optimizer) == _restride_generation:
+        return
+    _aligned_generation[optimizer] = _restride_generation
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param) if _restrided.get(id(param)) is param else None
+            for key, value in (state or {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_strided(param.shape, param.stride(), dtype=value.dtype,
+                                                     device=value.device).copy_(value)
 
 
 def _restride(weight: nn.Parameter, memory_format: torch.memory_format) -> bool:
@@ -232,7 +275,7 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
                if _layout_kept(module, weight) is None}
     restored = [weights[name] for name in names if name in weights]
     restored = [weight for weight in restored if _restride(weight, torch.contiguous_format)]
-    _warn_about_trained_weights(restored, "unpatch_model")
+    _note_restrided(restored)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,8 +354,10 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
     forward hooks on a GroupNorm or on the activation it would absorb, or global module hooks
     (register_module_forward_hook), keep that pair unfused (a block whose forward is edited as one keeps all its
     pairs unfused; the report names the module the reason comes from), and a later call fuses what they kept apart
-    once they are removed. Patch before creating the optimizer: the conv weights change memory format in place,
-    and an optimizer's state keeps the old one (a warning says so where weights have gradients). A patched block relies
+    once they are removed. Patching mid-training is safe: the conv weights change memory format in place, their
+    gradients with them, and an optimizer's state made before (Adam's moments, which fused optimizers pair with the
+    weight by memory offset) follows at the optimizer's next step (a global optimizer step pre-hook, registered at
+    the first conversion). A patched block relies
     on its fused norms: replace submodules of a patched model only after unpatch_model. A fused nn.Sequential pair
     assumes its items run in order (calling the Sequential, or iterating over it); calling the GroupNorm item alone
     then applies the activation too.
@@ -330,7 +375,8 @@ def patch_model(model: nn.Module, *, channels_last: bool | str = True, channels_
             channels_last weights restore it. Needed for FSDP2's fully_shard, which refuses non-contiguous
             parameters. False: neither. Parameters that are DTensors (patch_model after fully_shard) or other
             tensor subclasses are never converted, nor the weights of conv subclasses defined outside torch and
-            diffusers, whose code may need a contiguous weight (``report.layout_kept``).
+            diffusers with a forward of their own, whose code may need a contiguous weight, nor those of lazy convs
+            not yet called (``report.layout_kept``).
         channels_last_3d: the same for 5-D activations (NDHWC), with channels_last True: the
             Conv3d/ConvTranspose3d weights become channels_last_3d (cuDNN then runs its NDHWC convolutions;
             measure them with benchmarks/tools/conv3d_layout.py); with ``"activations"``: 5-D tensor arguments

@@ -245,9 +245,12 @@ def test_build_lock_excludes_other_builds_and_clears_a_stale_torch_lock(tmp_path
     else:
         monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
     (tmp_path / "lock").write_text("")
-    with extension.build_lock(tmp_path):
+    with extension.build_lock(str(tmp_path)):
         assert holds_lock(tmp_path)
         assert (tmp_path / "lock").exists() is not file_baton
+        with extension.build_lock(tmp_path):  # nested in the same thread: no wait on itself
+            assert holds_lock(tmp_path)
+        assert holds_lock(tmp_path)
     assert not holds_lock(tmp_path)
 
 

@@ -1101,7 +1101,9 @@ def test_a_lone_norm_stays_already_patched_on_a_second_call():
     model = nn.ModuleDict(dict(seq=nn.Sequential(norm, nn.SiLU()), other=norm))
     patch_model(model)
     again = patch_model(model)
-    assert again.patched == again.alone == [] and again.already_patched == [("seq.0", "GroupNorm alone")]
+    assert again.patched == again.alone == []
+    assert again.already_patched == [("seq.0", "GroupNorm alone: the GroupNorm is registered in several places, "
+                                               "not all followed by the activation")]
     assert type(norm) is rules.base.StockLayoutGroupNorm
 
 
@@ -1142,26 +1144,74 @@ class WeightStandardizedConv2d(nn.Conv2d):
         return self._conv_forward(x, weight, self.bias)
 
 
-def test_conv_subclasses_of_unread_code_keep_their_layout():
+class ConfiguredConv2d(nn.Conv2d):
+    """A conv subclass of a user's that changes only how it is built: the stock forward."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels, channels, 3, padding=1)
+
+
+class Halve(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t / 2
+
+
+@pytest.mark.parametrize("parametrized", [False, True], ids=["plain", "parametrized_bias"])
+def test_conv_subclasses_of_unread_code_keep_their_layout(parametrized):
+    """A user's conv subclass with its own forward keeps a contiguous weight, also under parametrize's wrapper class
+    (defined in torch); one with the stock forward is converted."""
     torch.manual_seed(0)
     model = nn.Sequential(WeightStandardizedConv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
-                          nn.Conv2d(16, 8, 3, padding=1))
+                          ConfiguredConv2d(16))
+    if parametrized:
+        torch.nn.utils.parametrize.register_parametrization(model[0], "bias", Halve())
     patched, report = patched_matches(model, lambda m: m(randn(2, 8, 8, 8)))
     assert report.channels_last == 1 and patched[3].weight.is_contiguous(memory_format=torch.channels_last)
     [(name, reason)] = report.layout_kept
     assert name == "0.weight" and "WeightStandardizedConv2d" in reason and patched[0].weight.is_contiguous()
 
 
-def test_patching_a_model_in_training_restrides_the_gradients_and_warns():
-    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU())
-    model(randn(2, 8, 8, 8)).sum().backward()
-    with pytest.warns(RuntimeWarning, match="create the optimizer after patch_model"):
-        patch_model(model)
-    weight = model[0].weight
-    assert weight.grad.stride() == weight.stride() and weight.is_contiguous(memory_format=torch.channels_last)
-    with pytest.warns(RuntimeWarning, match="unpatch_model changed the memory format of 1 conv weight"):
-        unpatch_model(model)
-    assert weight.is_contiguous() and weight.grad.is_contiguous()
+def test_lazy_convs_not_yet_initialised_keep_their_layout():
+    model = nn.Sequential(nn.LazyConv2d(16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(), nn.Conv2d(16, 8, 1))
+    report = patch_model(model)
+    assert report.layout_kept == [("0.weight", "not initialised yet (a lazy conv before its first call): patch after "
+                                               "that call")]
+    assert report.channels_last == 1 and [kind for _, kind in report.patched] == ["Sequential(GroupNorm, act)"]
+    with torch.no_grad():
+        assert model(randn(2, 8, 8, 8)).shape == (2, 8, 8, 8)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_an_optimizer_created_before_patching_keeps_training_right(fused):
+    """Patching mid-training restrides the conv weights in place; the optimizer's state made before (Adam's moments)
+    follows them at its next step, so a fused AdamW (which pairs a weight's elements with its state's by memory
+    offset) trains as without the patch. Its gradient follows the weight too."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                             nn.Conv2d(16, 8, 3, padding=1))
+
+    x = randn(2, 8, 8, 8)
+    stock, patched = make(), make()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+                  for m in (stock, patched)]
+    for step in range(4):
+        if step == 2:
+            patched(x).square().mean().backward()  # a gradient at hand when patching
+            patch_model(patched)
+            weight = patched[0].weight
+            assert weight.is_contiguous(memory_format=torch.channels_last) and weight.grad.stride() == weight.stride()
+            patched.zero_grad()
+        for model, optimizer in zip((stock, patched), optimizers):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    for a, b in zip(stock.parameters(), patched.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert optimizers[1].state[patched[0].weight]["exp_avg"].stride() == patched[0].weight.stride()
+    unpatch_model(patched)
+    optimizers[1].step()
+    assert optimizers[1].state[patched[0].weight]["exp_avg"].is_contiguous()
 
 
 @pytest.mark.parametrize("value", ["no", 1, None])

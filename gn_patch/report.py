@@ -31,7 +31,8 @@ class PatchReport:
         alone: (module name, reason) of every GroupNorm this call made a GroupNormAct on its own, with the layout
             PyTorch returns, because it cannot fuse it exactly; the reason says why not (e.g. ``"the surgeon does
             not know what follows this GroupNorm in MyBlock"``). These run gn_patch's kernels too.
-        already_patched: (module name, kind) of the GroupNorms an earlier call had fused or made GroupNormActs.
+        already_patched: (module name, kind) of the GroupNorms an earlier call had fused or made GroupNormActs; one
+            that an earlier call ran alone and that still cannot be fused has kind ``"GroupNorm alone: <reason>"``.
         skipped: (module name, reason) of every GroupNorm-like module left as it is (from patch_pipeline, also of
             each transformers component holding a GroupNorm, which it leaves alone).
         channels_last: number of conv weights this call converted to channels_last (4-D) or channels_last_3d (5-D).

@@ -1244,7 +1244,8 @@ def test_lone_group_norm_runs_alone():
     report = patch_model(norm)
     assert report.alone == [("", "the surgeon does not know what follows this GroupNorm")]
     assert "1  the surgeon does not know what follows this GroupNorm" in str(report)
-    assert patch_model(norm).already_patched == [("", "GroupNorm alone")]
+    assert patch_model(norm).already_patched == [("", "GroupNorm alone: the surgeon does not know what follows this "
+                                                      "GroupNorm")]
     assert unpatch_model(norm) == 1 and type(norm) is nn.GroupNorm
 
 

@@ -53,11 +53,7 @@ def _walk(surgery: Surgery, model: nn.Module) -> None:
         rule = RULES.get(type(module))
         if rule is not None:
             rule(surgery, name, module)
-    _run_the_rest_alone(surgery, model)
-    report = surgery.report
-    again = [(name, why) for name, why in report.alone if id(model.get_submodule(name)) in reopened]
-    report.alone = [entry for entry in report.alone if entry not in again]
-    report.already_patched += [(name, f"GroupNorm alone: {why}") for name, why in again]
+    _run_the_rest_alone(surgery, model, reopened)
 
 
 def _reopen_alone(model: nn.Module) -> set[int]:
@@ -72,9 +68,10 @@ def _reopen_alone(model: nn.Module) -> set[int]:
     return reopened
 
 
-def _run_the_rest_alone(surgery: Surgery, model: nn.Module) -> None:
+def _run_the_rest_alone(surgery: Surgery, model: nn.Module, reopened: set[int]) -> None:
     """The always exact GroupNorm swap: every nn.GroupNorm no rule fused becomes the identity GroupNormAct whose
-    output has the layout PyTorch's GroupNorm gives (report.alone, with why it is not fused)."""
+    output has the layout PyTorch's GroupNorm gives (report.alone, with why it is not fused; for one an earlier call
+    ran alone, of ``reopened``, report.already_patched with kind "GroupNorm alone: <why>")."""
     for name, module in model.named_modules():
         if id(module) in surgery.decided:
             continue
@@ -92,8 +89,12 @@ def _run_the_rest_alone(surgery: Surgery, model: nn.Module) -> None:
             surgery.skip(name, module, problem)
         else:
             fuse_norm(module, "identity", StockLayoutGroupNorm)
-            surgery.report.alone.append((name, surgery.declined.get(id(module)) or _unknown_use(model, name)))
-            surgery.decided.add(id(module))
+            why = surgery.declined.get(id(module)) or _unknown_use(model, name)
+            if id(module) in reopened:
+                surgery.already(name, module, f"GroupNorm alone: {why}")
+            else:
+                surgery.report.alone.append((name, why))
+                surgery.decided.add(id(module))
 
 
 def _unknown_use(model: nn.Module, name: str) -> str:
@@ -273,8 +274,11 @@ def _restore_conv_weights(model: nn.Module, names) -> None:
     weights = {_without_peft_wrappers(name): weight
                for name, module, weight, _ in _conv_weights(model, _CHANNELS_LAST | _CHANNELS_LAST_3D)
                if _layout_kept(module, weight) is None}
-    restored = [weights[name] for name in names if name in weights]
-    restored = [weight for weight in restored if _restride(weight, torch.contiguous_format)]
+    restored = []
+    for name in names:
+        weight = weights.get(name)
+        if weight is not None and _restride(weight, torch.contiguous_format):
+            restored.append(weight)
     _note_restrided(restored)
 
 

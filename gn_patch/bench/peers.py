@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import extension
+from ..extension import build_lock
 from ..ops import group_norm_act
 from .peers_table import TOLERANCES, PeerMeasurement, peer_row
 from .results import RowsFile, attempt, free_memory, package_version, progress_bar
@@ -86,7 +86,7 @@ def _load_apex(folder: Path, build_dir: Path):
     directory.mkdir(parents=True, exist_ok=True)
     sources = [folder / "group_norm_nhwc_op.cpp", *sorted(folder.glob("*.cu"))]
     # apex's own build flags for this extension; gn_patch's lock clears a killed build's stale one
-    with extension.build_lock(directory):
+    with build_lock(directory):
         return load(name="group_norm_cuda", sources=[str(s) for s in sources], extra_include_paths=[str(folder)],
                     extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math", "--ftz=false"],
                     build_directory=str(directory))

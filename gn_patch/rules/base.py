@@ -281,11 +281,17 @@ def activation_name(module) -> str | None:
     return _ACTIVATION_MODULES.get(kind)
 
 
+def global_output_hooks() -> bool:
+    """Hooks registered for every module (torch.nn.modules.module.register_module_forward_hook, ..._full_backward_hook
+    and ..._full_backward_pre_hook) that see each module's output or its gradient."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_backward_hooks
+                or torch_module._global_backward_pre_hooks)
+
+
 def global_hooks() -> bool:
-    """Hooks registered for every module (torch.nn.modules.module.register_module_forward_hook and its siblings):
-    they see each module's input and output, the norms' and activations' included."""
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
-                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+    """Hooks registered for every module, on its output or its input (global_output_hooks, and the forward pre-hooks
+    of register_module_forward_pre_hook)."""
+    return global_output_hooks() or bool(torch_module._global_forward_pre_hooks)
 
 
 def has_output_hooks(module: nn.Module) -> bool:
@@ -296,8 +302,7 @@ def has_output_hooks(module: nn.Module) -> bool:
 def output_seen(module: nn.Module) -> bool:
     """Hooks, the module's own or global ones, see ``module``'s output or its gradient: fusing what follows into it
     would show them another output."""
-    return bool(has_output_hooks(module) or torch_module._global_forward_hooks
-                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+    return has_output_hooks(module) or global_output_hooks()
 
 
 def has_hooks(module: nn.Module) -> bool:

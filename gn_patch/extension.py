@@ -235,7 +235,7 @@ def build_lock(directory: Path) -> Iterator[None]:
         OSError: the lock file cannot be opened or locked.
     """
     directory = Path(directory).resolve()
-    held = _held_build_locks.__dict__.setdefault("folders", set())
+    held = _held_build_locks.folders
     try:
         import fcntl
     except ImportError:
@@ -257,7 +257,14 @@ def build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-_held_build_locks = threading.local()  # .folders: the build folders whose lock this thread holds
+class _HeldBuildLocks(threading.local):
+    """The build folders whose lock this thread holds (``__init__`` runs once in each thread that reads it)."""
+
+    def __init__(self) -> None:
+        self.folders: set[Path] = set()
+
+
+_held_build_locks = _HeldBuildLocks()
 
 
 def build(arch: str | None = None, verbose: bool = False) -> Path:

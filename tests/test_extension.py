@@ -255,6 +255,25 @@ def test_build_lock_excludes_other_builds_and_clears_a_stale_torch_lock(tmp_path
 
 
 @posix_only
+def test_build_lock_is_reentrant_only_within_its_thread(tmp_path):
+    """Another thread of the same process waits for the lock (its reentrancy is per thread, not per process)."""
+    import threading
+
+    entered = threading.Event()
+
+    def other_build():
+        with extension.build_lock(tmp_path):
+            entered.set()
+
+    with extension.build_lock(tmp_path):
+        thread = threading.Thread(target=other_build)
+        thread.start()
+        assert not entered.wait(0.5)
+    thread.join(10)
+    assert entered.is_set()
+
+
+@posix_only
 def test_build_loads_under_the_lock(tmp_path, monkeypatch):
     """build() calls cpp_extension.load while holding the build lock of its folder, and releases it, also when the
     load fails."""

@@ -229,7 +229,8 @@ def build_lock(directory: Path) -> Iterator[None]:
     a word (pytorch/pytorch#189245; torch 2.14 takes an OS lock instead). This lock is an ``fcntl.flock`` on
     ``directory/gn_patch.lock``, which the operating system releases when its holder dies: any other process
     building here holds it, so a ``lock`` found while holding it is stale and is removed. Where ``fcntl`` does not
-    exist (not POSIX) torch's lock alone guards the folder. Reentrant within a thread; ``directory`` may be a str.
+    exist (not POSIX) torch's lock alone guards the folder. Reentrant within a thread (not across the tasks of an
+    event loop, nor for a process forked while it is held: the child waits for it); ``directory`` may be a str.
 
     Raises:
         OSError: the lock file cannot be opened or locked.
@@ -247,8 +248,8 @@ def build_lock(directory: Path) -> Iterator[None]:
 
     with open(directory / "gn_patch.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        held.add(directory)
-        try:
+        try:  # the record inside: an interrupt just after the flock must not leave the folder recorded as held
+            held.add(directory)
             if hasattr(cpp_extension, "FileBaton"):  # torch's existence lock, not an OS one: stale if present
                 (directory / "lock").unlink(missing_ok=True)
             yield
@@ -265,6 +266,17 @@ class _HeldBuildLocks(threading.local):
 
 
 _held_build_locks = _HeldBuildLocks()
+
+
+def _forget_held_build_locks() -> None:
+    """A process forked while its parent holds build locks holds none of them (its own open of a lock file waits for
+    the parent's flock): it starts with no record, rather than enter as if reentrant."""
+    global _held_build_locks
+    _held_build_locks = _HeldBuildLocks()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_held_build_locks)
 
 
 def build(arch: str | None = None, verbose: bool = False) -> Path:

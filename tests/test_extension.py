@@ -4,6 +4,7 @@ compiled at install time is used only where it fits, and (in CI) the kernels com
 
 import json
 import os
+import time
 import warnings
 from importlib.machinery import EXTENSION_SUFFIXES
 
@@ -252,6 +253,8 @@ def test_build_lock_excludes_other_builds_and_clears_a_stale_torch_lock(tmp_path
             assert holds_lock(tmp_path)
         assert holds_lock(tmp_path)
     assert not holds_lock(tmp_path)
+    with extension.build_lock(tmp_path):  # left, the folder is no longer recorded as held: locked again
+        assert holds_lock(tmp_path)
 
 
 @posix_only
@@ -271,6 +274,30 @@ def test_build_lock_is_reentrant_only_within_its_thread(tmp_path):
         assert not entered.wait(0.5)
     thread.join(10)
     assert entered.is_set()
+
+
+@posix_only
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_build_lock_in_a_forked_child_waits_for_the_parent(tmp_path):
+    """A child forked while its parent holds the lock inherits the thread's record of it, but not the lock: it must
+    wait for the parent, not enter as if reentrant."""
+    entered = tmp_path / "child_entered"
+    with extension.build_lock(tmp_path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork in a process with threads (Python 3.12)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                with extension.build_lock(tmp_path):
+                    entered.write_text("")
+                code = 0
+            finally:
+                os._exit(code)
+        time.sleep(0.5)
+        assert not entered.exists()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and entered.exists()
 
 
 @posix_only

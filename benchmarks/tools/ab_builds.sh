@@ -5,7 +5,10 @@
 #   bash benchmarks/tools/ab_builds.sh prepare REV    here: REV's csrc/, gn_patch/ and harness into .scratch/base
 #   bash benchmarks/tools/ab_builds.sh run            on the GPU machine (carry .scratch): both builds, then one
 #                                                     harness run each -> $OUT/ab.json; set OUT, GN_PATCH_COMMIT and
-#                                                     BASE_COMMIT (the machine's copy of the tree has no .git)
+#                                                     BASE_COMMIT (the machine's copy of the tree has no .git);
+#                                                     AB_SUITE=1 also runs the GPU suite on the working tree's build
+#                                                     (benchmarks/h200.sh tests, carry .whl) between the builds and
+#                                                     the timings: about 470 s in all on a 16-core machine
 set -euo pipefail
 case ${1:-} in
   prepare)
@@ -19,6 +22,10 @@ case ${1:-} in
     PYTHONPATH=$ROOT GN_PATCH_BUILD_DIR=$ROOT/.build python3 -m gn_patch.build > /tmp/build_new.log 2>&1 &
     wait
     tail -n 1 /tmp/build_base.log /tmp/build_new.log
+    if [ "${AB_SUITE:-0}" = 1 ]; then
+      TEST_WORKERS=${TEST_WORKERS:-8} TEST_TIMEOUT=${TEST_TIMEOUT:-230} bash benchmarks/h200.sh tests \
+        || echo "the suite failed: $OUT/gpu_tests.log"
+    fi
     # The base tree's harness for both builds: the same shapes and timing whatever the working tree's says.
     (cd "$BASE" && PYTHONPATH=$BASE GN_PATCH_BUILD_DIR=$BASE/.build \
       python3 benchmarks/tools/harness_times.py /tmp/base.json float16 bfloat16 > /tmp/base.log)

@@ -268,15 +268,10 @@ class _HeldBuildLocks(threading.local):
 _held_build_locks = _HeldBuildLocks()
 
 
-def _forget_held_build_locks() -> None:
-    """A process forked while its parent holds build locks holds none of them (its own open of a lock file waits for
-    the parent's flock): it starts with no record, rather than enter as if reentrant."""
-    global _held_build_locks
-    _held_build_locks = _HeldBuildLocks()
-
-
+# A process forked while its parent holds build locks holds none of them (its own open of a lock file waits for the
+# parent's flock): the forking thread, the child's only one, starts with no record rather than enter as if reentrant.
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_held_build_locks)
+    os.register_at_fork(after_in_child=lambda: _held_build_locks.folders.clear())
 
 
 def build(arch: str | None = None, verbose: bool = False) -> Path:

@@ -438,9 +438,11 @@ def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
         '<testcase classname="tests.test_a" name="test_fails" time="0.1"><failure message="x"/></testcase>'
         '<testcase classname="tests.test_a" name="test_skipped" time="0"><skipped message="y"/></testcase>'
         '<testcase classname="tests.test_a" name="test_errs" time="0"><error message="z"/></testcase>'
+        '<testcase time="0.001" />'  # a worker stopped mid-test by an interrupt: no test's outcome
         "</testsuite></testsuites>")
     result = module.summarize(str(report))
     assert (result["passed"], result["failed"], result["errors"], result["skipped"]) == (1, 1, 1, 1)
+    assert result["unnamed"] == 1
     assert result["failures"] == ["tests.test_a::test_fails", "tests.test_a::test_errs"]
     assert result["date"] == "2026-12-02T18:00:00.000001+00:00"
     assert result["duration_s"] == 12.5

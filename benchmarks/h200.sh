@@ -9,6 +9,7 @@
 #   ncu        Nsight Compute (clocks as they are) of gn_patch's kernels beside apex's at the UNet shapes
 #              (benchmarks/tools/ncu_shapes.py --peers .peers; apex built into .build/peers, as by `peers`)
 #              -> $OUT/ncu_shapes.txt: executed instructions per warp and cycles per issue, for the small forwards
+#              (NCU_SHAPES="N,C,H,W ..." profiles those shapes instead)
 #   modes      benchmarks/tools/channels_last_modes.py: SD1.5's UNet patched with channels_last weights against
 #              channels_last="activations" (FSDP2's mode) -> $OUT/channels_last_modes.json
 #   conv3d     benchmarks/tools/conv3d_layout.py: Conv3d NCDHW vs NDHWC for the video VAE decodes, and the decodes
@@ -69,10 +70,11 @@ for step in "$@"; do
       python3 -m gn_patch.bench --only peers --peers "$PWD/.peers" --out "$bench_out" 2>&1 | tail -100
       [ "$bench_out" = "$OUT/bench" ] || cp -r "$bench_out" "$OUT/bench" ;;
     ncu)
+      # SourceCounters: branch efficiency and shared-memory bank conflicts (excessive wavefronts).
       ncu --clock-control none --cache-control none -k regex:"forward_kernel|backward_kernel|group_norm_nhwc" \
         --section LaunchStats --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        --section InstructionStats python3 benchmarks/tools/ncu_shapes.py --peers "$PWD/.peers" \
-        > "$OUT/ncu_shapes.txt" 2>&1 || status=1
+        --section InstructionStats --section SourceCounters python3 benchmarks/tools/ncu_shapes.py \
+        --peers "$PWD/.peers" ${NCU_SHAPES:+--shapes "$NCU_SHAPES"} > "$OUT/ncu_shapes.txt" 2>&1 || status=1
       tail -3 "$OUT/ncu_shapes.txt" ;;
     modes) python3 benchmarks/tools/channels_last_modes.py --json "$OUT/channels_last_modes.json" 2>&1 | tail -20 ;;
     conv3d) python3 benchmarks/tools/conv3d_layout.py --json "$OUT/conv3d_layout.json" 2>&1 | tail -60 || status=1 ;;

@@ -446,3 +446,29 @@ def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
     assert result["failures"] == ["tests.test_a::test_fails", "tests.test_a::test_errs"]
     assert result["date"] == "2026-12-02T18:00:00.000001+00:00"
     assert result["duration_s"] == 12.5
+
+
+# ------------------------------------------------------------------------------------------------
+# The A/B harness's shapes (benchmarks/tools/harness_times.py; HARNESS_SHAPES, ncu_shapes.py --shapes)
+# ------------------------------------------------------------------------------------------------
+def _harness_times(monkeypatch, shapes: str | None):
+    if shapes is None:
+        monkeypatch.delenv("HARNESS_SHAPES", raising=False)
+    else:
+        monkeypatch.setenv("HARNESS_SHAPES", shapes)
+    spec = importlib.util.spec_from_file_location("harness_times", ROOT / "benchmarks" / "tools" / "harness_times.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_harness_shapes_narrowed_by_the_environment(monkeypatch):
+    module = _harness_times(monkeypatch, "2,1280,8,8  16,640,32,32 ")
+    assert module.SHAPES == [(2, 1280, 8, 8), (16, 640, 32, 32)]
+    assert len(module.HARNESS_SHAPES) == 20
+
+
+def test_harness_shapes_default_to_the_peer_harness(monkeypatch):
+    module = _harness_times(monkeypatch, None)
+    assert module.SHAPES == module.HARNESS_SHAPES
+    assert (2, 1280, 8, 8) in module.SHAPES and (1, 256, 1024, 1024) in module.SHAPES

@@ -8,7 +8,9 @@
 #                                                     BASE_COMMIT (the machine's copy of the tree has no .git);
 #                                                     AB_SUITE=1 also runs the GPU suite on the working tree's build
 #                                                     (benchmarks/h200.sh tests, carry .whl) between the builds and
-#                                                     the timings: about 470 s in all on a 16-core machine
+#                                                     the timings: about 470 s in all on a 16-core machine;
+#                                                     HARNESS_SHAPES="N,C,H,W ..." narrows the timings where the base
+#                                                     tree's harness reads it (trees from session 32 on)
 set -euo pipefail
 case ${1:-} in
   prepare)

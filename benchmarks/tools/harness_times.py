@@ -4,7 +4,7 @@ calls captured in one CUDA graph and replayed, inputs reused (in L2 below ~50 MB
 Exploratory numbers for benchmarks/NOTES.md, comparable with the harness's tables in the same machine type; the
 committed comparison with the peers is `python -m gn_patch.bench --peers DIR`.
 
-    python benchmarks/tools/harness_times.py OUT.json [float16|bfloat16 ...]
+    [HARNESS_SHAPES="2,1280,8,8 2,320,64,64"] python benchmarks/tools/harness_times.py OUT.json [float16|bfloat16 ...]
 """
 import json
 import os
@@ -15,10 +15,22 @@ import torch
 import gn_patch
 from gn_patch import extension
 
-SHAPES = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8), (2, 2560, 8, 8), (2, 960, 64, 64),
-          (1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 512, 512), (1, 128, 512, 512),
-          (2, 320, 128, 128), (2, 640, 64, 64), (2, 1280, 32, 32), (2, 2560, 32, 32), (1, 512, 512, 512),
-          (1, 256, 1024, 1024), (1, 128, 1024, 1024), (8, 320, 64, 64), (16, 640, 32, 32)]
+
+def shapes_from(text: str | None, default: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The shapes of ``text``, "N,C,H,W N,C,H,W ..." (HARNESS_SHAPES here, ``ncu_shapes.py --shapes``), else
+    ``default``."""
+    if not text:
+        return default
+    return [tuple(int(v) for v in item.split(",")) for item in text.split()]
+
+
+# The peer harness's shapes; HARNESS_SHAPES narrows an A/B to the shapes a change is for (ab_builds.sh runs the base
+# tree's harness for both builds).
+HARNESS_SHAPES = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8), (2, 2560, 8, 8),
+                  (2, 960, 64, 64), (1, 512, 64, 64), (1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 512, 512),
+                  (1, 128, 512, 512), (2, 320, 128, 128), (2, 640, 64, 64), (2, 1280, 32, 32), (2, 2560, 32, 32),
+                  (1, 512, 512, 512), (1, 256, 1024, 1024), (1, 128, 1024, 1024), (8, 320, 64, 64), (16, 640, 32, 32)]
+SHAPES = shapes_from(os.environ.get("HARNESS_SHAPES"), HARNESS_SHAPES)
 CALLS = 20
 TORCH = os.environ.get("HARNESS_TORCH", "1") == "1"  # HARNESS_TORCH=0: gn_patch's columns only (A/B runs)
 

@@ -39,6 +39,8 @@ CASES = {
     "sd_resnet": ((2, 320, 16, 16), 32),                  # 10-channel groups (2-element vectors), clusters of 16
     "sd_resnet_large": ((2, 1280, 32, 32), 32),           # clusters of 4, rows resident in registers
     "sd_mid": ((2, 1280, 8, 8), 32),                      # one row per thread
+    "sd_mid_rows_not_multiple": ((1, 1280, 15, 17), 32),  # 255 rows: the last block's partial
+    "sd_up_1920": ((2, 1920, 16, 16), 32),                # 60-channel groups (16-bit: 4-element vectors)
     "vae_rows": ((1, 256, 96, 96), 32),                   # few images, many rows: clusters of 16
     "vae_streaming": ((1, 256, 256, 256), 32),            # rows streamed (read again for the output)
     "vae_streaming_wide": ((1, 512, 128, 128), 32),
@@ -68,8 +70,8 @@ CASES = {
     "straddling_unclustered": ((1, 320, 256, 256), 32),   # a 42 MB image: three kernels
     "straddling_60": ((2, 1920, 64, 64), 32),             # 60: a vector's lanes 4 + 4 at every other group
 }
-SMALL = ["sd_resnet", "sd_mid", "group_size_1", "single_group", "group_size_5", "prime_group_size_131", "hw_1",
-         "rank2", "rank3_transposed", "rank5", "rows_not_multiple"]
+SMALL = ["sd_resnet", "sd_mid", "sd_mid_rows_not_multiple", "group_size_1", "single_group", "group_size_5",
+         "prime_group_size_131", "hw_1", "rank2", "rank3_transposed", "rank5", "rows_not_multiple"]
 
 
 def poisoned(like: torch.Tensor):
@@ -371,6 +373,7 @@ FRAMES_CASES = {
     "rank5": CASES["rank5"],
     "group_size_3": ((2, 96, 3, 7, 9), 32),               # scalar accesses
     "one_frame": ((2, 64, 1, 8, 8), 32),                  # F = 1: the layout is x's
+    "sd_mid": ((2, 1280, 4, 4, 4), 32),                   # a UNet mid block's frames: one block per (image, group)
     "one_position": ((2, 64, 5, 1, 1), 32),               # H = W = 1: the layout is x's too
     "wide_group_aten": ((1, 4096, 2, 5, 4), 1),           # computed with ATen, then copied
 }
@@ -457,7 +460,8 @@ def test_any_layout_is_computed(case):
     assert_close(y, reference(sliced, groups, None, None, 1e-5, "identity"), **TOLERANCES[torch.float16], what="view")
 
 
-@pytest.mark.parametrize("case", ["sd_resnet", "vae_rows", "vae_streaming", "group_1024_channels", "wide_group_aten"])
+@pytest.mark.parametrize("case", ["sd_resnet", "sd_mid", "vae_rows", "vae_streaming", "group_1024_channels",
+                                  "wide_group_aten"])
 def test_large_offset_small_variance(case):
     """x = 1000 + 0.001 * randn: the variance must not cancel catastrophically in float32."""
     shape, groups = CASES[case]
@@ -472,7 +476,7 @@ def test_large_offset_small_variance(case):
 
 @pytest.mark.parametrize("position", ["first", "middle", "last"])
 @pytest.mark.parametrize("dtype,value", [(torch.float32, 2000.0), (torch.float16, 5000.0)], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", ["vae_outlier", "sd_resnet", "sd_resnet_large", "many_images_streaming",
+@pytest.mark.parametrize("case", ["vae_outlier", "sd_resnet", "sd_resnet_large", "sd_mid", "many_images_streaming",
                                   "single_group", "straddling_10", "straddling_30", "straddling_60"])
 def test_outlier_statistics(case, dtype, value, position):
     """One element far from the rest (VAE decoders carry such activations), wherever it sits in its group: rstd
@@ -546,7 +550,7 @@ def test_straddling_vectors_beside_a_constant_group(case, dtype):
 
 
 @pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("case", ["sd_resnet", "sd_resnet_large", "vae_streaming", "many_images_streaming",
+@pytest.mark.parametrize("case", ["sd_resnet", "sd_resnet_large", "sd_mid", "vae_streaming", "many_images_streaming",
                                   "group_size_1", "wide_group_aten"])
 def test_nan_and_inf_propagate(case, activation):
     """NaN and inf in x (and NaN in dy) give NaN exactly where F.group_norm + the activation (in float64) give it,

@@ -65,17 +65,17 @@ __device__ __forceinline__ Moments group_moments(const BackwardArgs& a, const Bl
   return own_groups<Straddle>(a.geo, b, [&](int i) { return make_float2(a.mean[ng + i], a.rstd[ng + i]); });
 }
 
-// affine[j * stride]: channel_affine of the thread's channel c0 + j.
+// affine[j]: channel_affine of the thread's channel c0 + j.
 template <int V, bool Straddle>
 __device__ __forceinline__ LaneConstants<V, Straddle> lane_constants(const Moments& moments, const float2* affine,
-                                                                     int stride, const BlockCoord& b) {
+                                                                     const BlockCoord& b) {
   LaneConstants<V, Straddle> k;
   k.moments = moments;
   k.lanes_lo = b.lanes_lo;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    k.gamma[j] = affine[j * stride].x;
-    k.delta[j] = affine[j * stride].y;
+    k.gamma[j] = affine[j].x;
+    k.delta[j] = affine[j].y;
   }
   return k;
 }
@@ -84,7 +84,7 @@ template <typename T, int V, bool Straddle>
 __device__ __forceinline__ LaneConstants<V, Straddle> lane_constants(const BackwardArgs& a, const BlockCoord& b) {
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
-  return lane_constants<V, Straddle>(group_moments<Straddle>(a, b), affine, 1, b);
+  return lane_constants<V, Straddle>(group_moments<Straddle>(a, b), affine, b);
 }
 
 template <typename T, int V, Act A, bool Straddle, typename Visit>
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   __shared__ float2 group_parts[kMaxThreads];
   __shared__ float2 block_sums[kMaxTileChannels];  // in a cluster, per tile channel: read by the cluster's blocks
   __shared__ float2 group_coef[kMaxThreads];       // in a cluster, per tile group: the dx coefficients
-  __shared__ float2 tile_affine[kTileAffineSlots];  // channel_affine per tile channel, at affine_slot
+  __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
   if (a.dependent_follows) let_dependents_launch();
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
@@ -232,9 +232,9 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
     load_rows<T, V, kRows>(dys, dy, g, b, 0, rows);
   }
   const Moments moments = group_moments<Straddle>(a, b);
-  load_tile_affine<T, V>(a, b.n, b.tile, tile_affine);  // in flight with the rows
+  load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows
   __syncthreads();
-  const auto k = lane_constants<V, Straddle>(moments, &tile_affine[b.col], affine_stride(g.tile_vecs), b);
+  const auto k = lane_constants<V, Straddle>(moments, &tile_affine[b.col * V], b);
   LaneSums<V> sums;
   if (g.resident) {
 #pragma unroll
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
         float2 s = make_float2(0.f, 0.f);
         for (int c = lane; c < g.D; c += 32) {
           const int ch = gl * (int)g.D + c;
-          const float gamma = tile_affine[affine_slot<V>(ch, g.tile_vecs)].x;
+          const float gamma = tile_affine[ch].x;
           s = add2(s, make_float2(gamma * items[ch].x, gamma * items[ch].y));
         }
         s = lanes_reduce(s, 32, add2);

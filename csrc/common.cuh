@@ -273,32 +273,14 @@ __device__ __forceinline__ void thread_affine(const Args& a, int64_t n, int64_t 
   for (int j = 0; j < V; ++j) out[j] = channel_affine<T>(a, n, c0 + j);
 }
 
-// A tile's affine pairs in shared memory, lane-major: lane j of every vector together, channel col * V + j of the
-// tile at j * affine_stride + col. The threads of a warp hold consecutive vectors (col), so for each j they read
-// consecutive pairs; laid out by channel, their reads were V pairs apart, and the 16-byte reads of the lanes of a
-// quarter warp fell in two bank groups (ncu at (2, 2560, 8, 8): 70% of the shared wavefronts excessive,
-// benchmarks/NOTES.md session 32). An odd stride keeps the backward's reads by channel (a warp over 32 channels,
-// up to V lanes of each vector) in distinct banks too.
-__device__ __forceinline__ int affine_stride(int tile_vecs) { return tile_vecs | 1; }
-
-// Room for a tile's affine pairs at affine_stride: (V - 1) * (tile_vecs + 1) + tile_vecs <= kMaxTileChannels + 7.
-constexpr int kTileAffineSlots = kMaxTileChannels + 8;
-
-template <int V>
-__device__ __forceinline__ int affine_slot(int ch, int tile_vecs) {
-  return (ch % V) * affine_stride(tile_vecs) + ch / V;
-}
-
-// channel_affine of every channel of the block's tile -> out[affine_slot(tile channel)], visible after the next
-// barrier. The block loads them once (a few threads, one channel each) instead of every thread loading its vector's
-// V channels (4 V dependent, branchy loads on the critical path of the small kernels).
-template <typename T, int V, typename Args>
+// channel_affine of every channel of the block's tile -> out[tile channel], visible after the next barrier. The
+// block loads them once (a few threads, one channel each) instead of every thread loading its vector's V channels
+// (4 V dependent, branchy loads on the critical path of the small kernels).
+template <typename T, typename Args>
 __device__ __forceinline__ void load_tile_affine(const Args& a, int64_t n, int64_t tile, float2* out) {
-  const int channels = a.geo.tile_vecs * V;
+  const int channels = a.geo.tile_vecs * a.geo.vec;
   const int64_t c0 = tile * a.geo.groups_per_tile * a.geo.D;
-  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) {
-    out[affine_slot<V>(ch, a.geo.tile_vecs)] = channel_affine<T>(a, n, c0 + ch);
-  }
+  for (int ch = threadIdx.x; ch < channels; ch += blockDim.x) out[ch] = channel_affine<T>(a, n, c0 + ch);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -192,22 +192,20 @@ __device__ __forceinline__ float straddle_reference(float4 lo, float4 hi) {
 }
 
 // y = act((x - ref) * scale + shift) per lane, folding rstd and the mean offset into the channels' affine maps;
-// `stats` = (ref, mean offset, rstd) of the thread's group, affine[j * stride] = channel_affine of its vector's
-// channel j.
+// `stats` = (ref, mean offset, rstd) of the thread's group, affine[j] = channel_affine of its vector's channel j.
 // With straddling vectors (Straddle) the lanes j >= lanes_lo take the next group's statistics `hi`, every lane's
 // mean expressed as an offset from one reference (straddle_reference).
 template <int V, bool Straddle = false>
 struct LaneAffine {
   float ref, scale[V], shift[V];
 
-  __device__ __forceinline__ LaneAffine(float4 stats, const float2* affine, int stride, float4 hi = {},
-                                        int lanes_lo = V)
+  __device__ __forceinline__ LaneAffine(float4 stats, const float2* affine, float4 hi = {}, int lanes_lo = V)
       : ref(Straddle ? straddle_reference(stats, hi) : stats.x) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float4 s = Straddle && j >= lanes_lo ? hi : stats;
       const float offset = Straddle ? (s.x - ref) + s.y : s.y;
-      const float2 p = affine[j * stride];
+      const float2 p = affine[j];
       scale[j] = s.z * p.x;
       shift[j] = fmaf(-offset, scale[j], p.y);
     }
@@ -307,11 +305,11 @@ __device__ __forceinline__ GroupWriter group_writer(const Geometry& g, const Blo
 }
 
 // The thread's LaneAffine from its groups' (reference, mean offset, rstd) (own_groups: hi is lo where the vector
-// lies in one group) and its channels' affine pairs, `stride` apart.
+// lies in one group).
 template <int V, bool Straddle>
 __device__ __forceinline__ LaneAffine<V, Straddle> lane_affine(const GroupPair<float4>& stats, const float2* affine,
-                                                               int stride, const BlockCoord& b) {
-  return LaneAffine<V, Straddle>(stats.lo, affine, stride, stats.hi, b.lanes_lo);
+                                                               const BlockCoord& b) {
+  return LaneAffine<V, Straddle>(stats.lo, affine, stats.hi, b.lanes_lo);
 }
 
 // Clustered forwards of 16-byte vectors, the widths that stream in practice (narrower vectors stream only where
@@ -354,7 +352,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   __shared__ Welford partial[kMaxThreads];
   __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
   __shared__ float4 group_stats[kMaxThreads];   // per tile group, in a cluster: (reference, mean offset, rstd)
-  __shared__ float2 tile_affine[kTileAffineSlots];
+  __shared__ float2 tile_affine[kMaxTileChannels];
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
@@ -366,7 +364,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
     offset.add_to(packs);
   }
-  load_tile_affine<T, V>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
+  load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
   const ThreadStats t = resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
                                  : streamed_thread_stats<T, V, Straddle, kBatch>(x, g, b, rows, offset);
   block_partials_of<Straddle>(t, items, items_hi, partial, g);
@@ -415,7 +413,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   }
 
   if (b.active) {
-    const auto l = lane_affine<V, Straddle>(stats, &tile_affine[b.col], affine_stride(g.tile_vecs), b);
+    const auto l = lane_affine<V, Straddle>(stats, &tile_affine[b.col * V], b);
     T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
     if (resident) {
 #pragma unroll
@@ -476,7 +474,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
   float2 affine[V];
   thread_affine<T>(a, b.n, b.c0, affine);
   const float4* stats = reinterpret_cast<const float4*>(a.group_stats) + b.n * g.G + b.group;
-  const auto l = lane_affine<V, Straddle>(own_groups<Straddle>(g, b, [&](int i) { return stats[i]; }), affine, 1, b);
+  const auto l = lane_affine<V, Straddle>(own_groups<Straddle>(g, b, [&](int i) { return stats[i]; }), affine, b);
   normalize_streamed<T, V, A>(static_cast<const T*>(a.x) + first, static_cast<T*>(a.y) + first, g, b,
                               thread_rows(g, b), l, RowOffset<T, V, Offset>(a, b));
 }

@@ -323,8 +323,6 @@ __device__ __forceinline__ Welford shfl(const Welford& w, int lane) {
                  __shfl_sync(0xffffffffu, w.m2, lane), __shfl_sync(0xffffffffu, w.count, lane)};
 }
 
-__device__ __forceinline__ float shfl_xor(float v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
-
 __device__ __forceinline__ float2 shfl_xor(float2 v, int offset) {
   return make_float2(__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset));
 }

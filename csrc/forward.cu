@@ -1,8 +1,6 @@
 // Forward: y = act(((x - mean[n,g]) * rstd[n,g] * weight[c] + bias[c]) * (1 + scale[n,c]) + shift[n,c]) on
 // channels-last (N, S, C) data.
 //
-// Small (one kernel, Geometry::small: a few (image, group) pairs, each group's rows resident in one wide block):
-// small_forward_kernel, a two-pass over the registers (see there).
 // Clustered (one kernel; grid N * tiles * splits, see Geometry): each block reduces its rows of its tile's groups
 // to per-group Welford statistics; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
 // through distributed shared memory in rank order; every block then normalises its rows, from registers when
@@ -429,79 +427,6 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   cluster_wait(g.cluster());
 }
 
-// Small forward (Geometry::small): one block per (image, group), up to kSmallForwardThreads threads, the group's
-// rows resident. The statistics are a true two-pass over the registers, of deviations from the group's first
-// element (as rows_stats takes them: a large common offset does not cancel): their mean from a plain sum, then the
-// sum of squared deviations from it; each pass a one-float reduction through the block, exact to float32 whatever
-// the data. What each warp executes besides its elements is a few dozen instructions (the clustered kernel's
-// Welford reduction and per-group bookkeeping are several hundred), so the block can be wide: the element work of
-// the few (image, group) pairs of small UNet shapes spreads over many warps per SM (at (2, 1280, 8, 8), 20 warps
-// of one 8-byte row each where the clustered kernel runs 5 warps of two 16-byte rows).
-template <typename T, int V, typename F>
-__device__ __forceinline__ void for_each_element(const Pack<T, V> (&packs)[kSmallForwardRows], int64_t rows, F&& f) {
-#pragma unroll
-  for (int u = 0; u < kSmallForwardRows; ++u) {
-    if (u < rows) {
-      float v[V];
-      unpack<T, V>(packs[u], v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) f(v[j]);
-    }
-  }
-}
-
-// The group's first element (its image's first row, the group's first channel) with the input terms the rows get:
-// the reference of every thread's deviations, the same bits in each (every thread loads it; one address per warp).
-template <typename T, bool Offset>
-__device__ __forceinline__ float group_reference(const ForwardArgs& a, const BlockCoord& b) {
-  BlockCoord first = b;
-  first.c0 = b.group * a.geo.D;
-  first.active = true;
-  Pack<T, 1> element[1] = {load_pack<T, 1>(static_cast<const T*>(a.x) + b.n * a.geo.S * a.geo.C + first.c0)};
-  RowOffset<T, 1, Offset>(a, first).add_to(element);
-  return bits_to_float<T>(pack_element(element[0], 0));
-}
-
-template <typename T, int V, Act A, bool Offset>
-__global__ void __launch_bounds__(kSmallForwardThreads) small_forward_kernel(const ForwardArgs a) {
-  __shared__ float sums[kSmallForwardThreads / 32];
-  __shared__ float squares[kSmallForwardThreads / 32];
-  __shared__ float2 group_affine[kMaxTileChannels];
-  const Geometry& g = a.geo;
-  const BlockCoord b = block_coord(g);
-  const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
-  const int64_t rows = thread_rows(g, b);
-  Pack<T, V> packs[kSmallForwardRows];
-  load_rows<T, V, kSmallForwardRows>(packs, x, g, b, 0, rows);
-  RowOffset<T, V, Offset>(a, b).add_to(packs);
-  const float ref = group_reference<T, Offset>(a, b);
-  load_tile_affine<T>(a, b.n, b.tile, group_affine);  // in flight with the rows; read after the barriers below
-  // 1 / the group's element count (the count exact in float32: at most kSmallForwardThreads * kSmallForwardRows * 8),
-  // taken while the rows load: the two divisions it replaces sat on the reductions' critical path.
-  const float inv_count = 1.f / (float)(g.S * g.D);
-
-  float sum = 0.f;
-  for_each_element<T, V>(packs, rows, [&](float v) { sum += v - ref; });
-  const float offset = block_sum(sum, sums) * inv_count;  // the mean, from ref
-  float deviations = 0.f;
-  for_each_element<T, V>(packs, rows, [&](float v) {
-    const float d = (v - ref) - offset;
-    deviations = fmaf(d, d, deviations);
-  });
-  const float rstd = rsqrtf(fmaf(block_sum(deviations, squares), inv_count, a.eps));
-  if (threadIdx.x == 0 && a.mean != nullptr) {
-    a.mean[b.n * g.G + b.group] = ref + offset;
-    a.rstd[b.n * g.G + b.group] = rstd;
-  }
-  if (!b.active) return;
-  const LaneAffine<V> l(make_float4(ref, offset, rstd, 0.f), &group_affine[b.col * V]);
-  T* y = static_cast<T*>(a.y) + b.n * g.S * g.C + b.c0;
-#pragma unroll
-  for (int u = 0; u < kSmallForwardRows; ++u) {
-    if (u < rows) normalize_pack<T, V, A>(packs[u], y + output_row(g, thread_row(g, b, u)) * g.C, l);
-  }
-}
-
 // Unclustered, 1: the block's per-group statistics -> partials[(n * splits + split) * G + group].
 template <typename T, int V, bool Straddle, bool Offset>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel(const ForwardArgs a) {
@@ -557,9 +482,6 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) normalize_ke
 template <typename T, int V, Act A, bool Straddle, bool Offset>
 void launch_forward_kernels(const ForwardArgs& a, cudaStream_t stream) {
   const Geometry& g = a.geo;
-  if constexpr (!Straddle) {
-    if (g.small) return launch_kernel(small_forward_kernel<T, V, A, Offset>, g, stream, a);
-  }
   if (g.clustered) {
     if constexpr (kStreamedApart<T, V>) {
       if (!g.resident) return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, true>, g, stream, a);

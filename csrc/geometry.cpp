@@ -17,9 +17,6 @@ constexpr int64_t kUnclusteredImageBytes = 32 << 20;
 constexpr int64_t kMinStreamedRows = 8;
 // The largest cluster the backward spans images with (larger clusters are scheduled on fewer SMs at a time).
 constexpr int64_t kMaxImageCluster = 8;
-// The small forward (Geometry::small) takes batches of at most this many (image, group) pairs per SM: beyond them
-// the geometries of several groups per tile fill the GPU as well, in fewer, narrower blocks.
-constexpr int64_t kSmallForwardPairsPerSm = 2;
 // Sector-aligned forward tiles (see make_geometry): batches of at least this many (image, group) pairs per SM, and
 // tiles leaving a block at least this many rows of threads.
 constexpr int64_t kAlignedTilePairsPerSm = 4;
@@ -87,36 +84,6 @@ void set_splits(Geometry& g, int64_t splits, int max_threads = kMaxThreads) {
   g.block_rows = (int)ceil_div(g.rows_per_block, g.rows_per_thread);
 }
 
-// The small forward's geometry (Geometry::small) where it applies: vectors within one group, a row segment of at
-// least one sector, few (image, group) pairs, and the group's rows resident in one block of up to
-// kSmallForwardThreads threads. Vectors of kSmallForwardVecBytes come first, then the caller's (16 bytes where the
-// group allows): twice the threads for the same rows. Each thread takes the fewest rows that fit (the most threads:
-// the block's fixed work per thread is small, its element work spread over the most warps). apex's one-pass NHWC
-// forward runs 640 threads of 4 halves at (2, 1280, 8, 8) where 16-byte vectors give 320 threads of one row
-// (H100, Nsight Compute: 2.46 warps per scheduler against apex's 4.93; benchmarks/NOTES.md session 32).
-// Returns whether it applies.
-bool set_small_forward(Geometry& g, int elem_size, const DeviceLimits& limits) {
-  if (g.straddle || g.D * elem_size < kMinSegmentBytes || g.N * g.G > kSmallForwardPairsPerSm * limits.num_sms) {
-    return false;
-  }
-  for (int vec = std::min(g.vec, kSmallForwardVecBytes / elem_size); vec <= g.vec; vec *= 2) {
-    const int64_t vecs = g.D / vec;
-    for (int64_t rows = 1; rows <= kSmallForwardRows; ++rows) {
-      if (vecs * ceil_div(g.S, rows) > kSmallForwardThreads) continue;
-      g.vec = vec;
-      g.vecs_per_group = (int)vecs;
-      set_tiles(g, 1);
-      g.splits = 1;
-      g.rows_per_block = g.S;
-      g.block_rows = (int)ceil_div(g.S, rows);
-      g.rows_per_thread = ceil_div(g.S, g.block_rows);
-      g.small = g.resident = true;
-      return true;
-    }
-  }
-  return false;
-}
-
 // The kernels divide block and thread indices (< 2^31) by these, each below 2^31: the grid has fewer than 2^31
 // blocks (launch_kernel checks), so splits, tiles and images do; tile_vecs, vecs_per_group and block_rows are at
 // most kMaxThreads.
@@ -174,7 +141,6 @@ Geometry make_geometry(Pass pass, int64_t N, int64_t S, int64_t C, int64_t G, in
   // (2, 1280, 32, 32) ran 22.8 us with SMs idle half of it; ncu, benchmarks/NOTES.md session 18). Splitting further
   // only adds cluster-wide synchronisation: on the H200 a (2, 1280, 16, 16) forward took 8.2 us unsplit (6 rows per
   // thread) and 14.9 us over clusters of 8 (one row per thread).
-  if (pass == Pass::kForward && set_small_forward(g, elem_size, limits)) return with_dividers(g);
   int64_t groups = groups_per_tile(g, elem_size, kMinSegmentBytes);
   // A segment that ends mid-sector shares its last sector with the next tile's block, which DRAM serves again when
   // that block runs at another time. Where the batch holds enough (image, group) pairs to fill the GPU with wider

@@ -44,13 +44,6 @@ constexpr int kBackwardBlocksPerSm = 2;
 constexpr int kBackwardSplitThreads = kMaxThreads * kBackwardBlocksPerSm / (kBackwardBlocksPerSm + 1) / 32 * 32;
 // Channels of one tile, at most (the backward keeps per-channel sums of a tile in shared memory).
 constexpr int kMaxTileChannels = 1024;
-// The small forward (Geometry::small): blocks of up to this many threads, each holding up to kSmallForwardRows rows
-// of its group in registers (16 registers of 16-byte rows under the 64-register cap of 1024-thread blocks).
-constexpr int kSmallForwardThreads = 1024;
-constexpr int kSmallForwardRows = 4;
-// The small forward's preferred vector (bytes): 4 elements of 16-bit types (set_small_forward takes wider ones where
-// a group's rows do not fit a block in these).
-constexpr int kSmallForwardVecBytes = 8;
 
 // Thread-block clusters of one kernel resident on a device at once (cudaOccupancyMaxActiveClusters): a cluster's
 // blocks run in one GPC, so fewer fit than SMs x blocks per SM / cluster size (on the H200, 128-register blocks of
@@ -145,12 +138,6 @@ struct Geometry {
   // the weight and bias gradients over the images itself (else a second kernel does). Blocks are then ordered
   // (tile, n, split) instead of (n, tile, split).
   int64_t images = 1;
-  // Forward only: one block per (image, group) (one group per tile, no split) of up to kSmallForwardThreads threads,
-  // the group's rows resident (at most kSmallForwardRows per thread): the small forward kernel (forward.cu), whose
-  // statistics are a two-pass over the registers and whose blocks are wide, as the few (image, group) pairs of
-  // small UNet shapes want (clustered stays true: cluster() is 1). Its vectors may be narrower than the caller's
-  // (kSmallForwardVecBytes).
-  bool small = false;
   // The forward's normalising pass reads streamed rows again last first: set where the tensor outgrows L2, whose
   // most recently read rows are then the only ones still there.
   bool reread_reversed = false;

@@ -108,22 +108,6 @@ __device__ __forceinline__ Acc block_total(const Acc* partial, Combine combine) 
   return shfl(lanes_reduce(lane < warps ? partial[lane] : Acc{}, width, combine), 0);
 }
 
-// The sum of every thread's `v` over the block, with the same bits in every thread: each warp's total by a butterfly
-// over its lanes, then every warp sums the warps' totals by the same butterfly and takes lane 0's. `parts`: one
-// float of shared memory per warp, written here and read after the barrier inside; each call of a kernel takes an
-// array of its own (no barrier keeps a second call's writes from a slow warp's reads of the first). Every thread of
-// the block calls it.
-__device__ __forceinline__ float block_sum(float v, float* parts) {
-  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
-  const auto add = [](float a, float b) { return a + b; };
-  v = lanes_reduce(v, 32, add);
-  if (lane == 0) parts[threadIdx.x / 32] = v;
-  __syncthreads();
-  int width = 1;
-  while (width < warps) width *= 2;
-  return __shfl_sync(0xffffffffu, lanes_reduce(lane < warps ? parts[lane] : 0.f, width, add), 0);
-}
-
 // A value of the thread's group (lo) and, for straddling vectors (Geometry::straddle), of the next group (hi: the
 // lanes from lanes_lo on).
 template <typename V>

@@ -68,13 +68,9 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
   if ((long long)g.tile_vecs * g.vec != g.groups_per_tile * g.D) return bad("tiles of whole groups and vectors");
   if (g.tiles * g.groups_per_tile != g.G) return bad("tiles cover the groups exactly");
   if (g.tile_vecs * g.vec > gn_patch::kMaxTileChannels && g.groups_per_tile > 1) return bad("tile channels");
-  const int max_threads = g.small ? gn_patch::kSmallForwardThreads : gn_patch::kMaxThreads;
-  if (g.tile_vecs * g.block_rows > max_threads || g.threads() > max_threads || g.threads() % 32 != 0)
+  if (g.tile_vecs * g.block_rows > gn_patch::kMaxThreads || g.threads() > gn_patch::kMaxThreads ||
+      g.threads() % 32 != 0)
     return bad("threads per block");
-  if (g.small && (pass != Pass::kForward || g.straddle || g.groups_per_tile != 1 || g.splits != 1 ||
-                  g.cluster() != 1 || !g.resident || g.rows_per_thread > gn_patch::kSmallForwardRows ||
-                  g.D * elem < 32 || g.N * g.G > 2 * 132))
-    return bad("the small forward: one unsplit block per (image, group) of a few, its rows resident");
   if (pass == Pass::kBackward && g.clustered && g.splits > 1 && g.tile_vecs <= gn_patch::kBackwardSplitThreads &&
       g.threads() > gn_patch::kBackwardSplitThreads)
     return bad("backward blocks split over a cluster fit three per SM");
@@ -96,7 +92,7 @@ bool check(Pass pass, const Geometry& g, int elem, long long alignment, int max_
   } else if (g.resident) {
     return bad("unclustered geometries stream their rows");
   }
-  if (g.resident && !g.small && g.rows_per_thread > gn_patch::resident_rows(pass, g.vec * elem, g.straddle))
+  if (g.resident && g.rows_per_thread > gn_patch::resident_rows(pass, g.vec * elem, g.straddle))
     return bad("resident rows fit the registers");
   if (!g.clustered && g.images != 1) return bad("unclustered geometries keep images apart");
   if (g.reread_reversed != (g.N * g.S * g.C * elem > kL2Bytes)) return bad("rows re-read last first beyond L2");
@@ -153,24 +149,6 @@ int main() {
   if (wide.groups_per_tile * wide.D * 2 % 32 != 0) return fail("sector-aligned tiles", wide, 2, 16, 16) ? 0 : 1;
   const Geometry narrow = gn_patch::make_geometry(Pass::kForward, 32, 4096, 960, 32, 2, 2, {132, 16, kL2Bytes});
   if (narrow.block_rows < 4) return fail("rows of threads in sector-aligned tiles", narrow, 2, 16, 16) ? 0 : 1;
-  // The small UNet shapes take the small forward, in 8-byte vectors, with the fewest rows per thread that fit a
-  // block: (2, 1280, 8, 8) 640 threads of one row, (2, 1280, 16, 16) 860 of three (the last thread's one); 16-byte
-  // vectors where 8-byte ones do not fit 4 rows: (2, 2560, 16, 16) 860 threads of three. Not (2, 640, 32, 32)
-  // (5120 vectors per group) nor a batch of many pairs (16, 1280, 8, 8), nor the backward.
-  const Geometry small8 = gn_patch::make_geometry(Pass::kForward, 2, 64, 1280, 32, 2, 8, {132, 16, kL2Bytes});
-  const Geometry small16 = gn_patch::make_geometry(Pass::kForward, 2, 256, 1280, 32, 2, 8, {132, 16, kL2Bytes});
-  const Geometry wide16 = gn_patch::make_geometry(Pass::kForward, 2, 256, 2560, 32, 2, 8, {132, 16, kL2Bytes});
-  if (!small8.small || small8.vec != 4 || small8.threads() != 640 || small8.rows_per_thread != 1)
-    return fail("the small forward at (2, 1280, 8, 8)", small8, 2, 16, 16) ? 0 : 1;
-  if (!small16.small || small16.vec != 4 || small16.threads() != 864 || small16.rows_per_thread != 3)
-    return fail("the small forward at (2, 1280, 16, 16)", small16, 2, 16, 16) ? 0 : 1;
-  if (!wide16.small || wide16.vec != 8 || wide16.threads() != 864 || wide16.rows_per_thread != 3)
-    return fail("the small forward at (2, 2560, 16, 16)", wide16, 2, 16, 16) ? 0 : 1;
-  for (const Geometry& g : {gn_patch::make_geometry(Pass::kForward, 2, 1024, 640, 32, 2, 4, {132, 16, kL2Bytes}),
-                            gn_patch::make_geometry(Pass::kForward, 16, 64, 1280, 32, 2, 8, {132, 16, kL2Bytes}),
-                            gn_patch::make_geometry(Pass::kBackward, 2, 64, 1280, 32, 2, 8, {132, 16, kL2Bytes})}) {
-    if (g.small) return fail("the small forward where it does not apply", g, 2, 16, 16) ? 0 : 1;
-  }
   // C = 320 and 960 with G = 32 in 16-bit types: the vectors may straddle groups (16 bytes, not 4).
   for (long long C : {320LL, 960LL}) {
     if (gn_patch::straddling_vec(C / 32, 32, 2, 16) != 8 || gn_patch::choose_vec(C / 32, 2, 16) != 2) {

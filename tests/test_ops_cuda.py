@@ -39,7 +39,7 @@ CASES = {
     "sd_resnet": ((2, 320, 16, 16), 32),                  # 10-channel groups (2-element vectors), clusters of 16
     "sd_resnet_large": ((2, 1280, 32, 32), 32),           # clusters of 4, rows resident in registers
     "sd_mid": ((2, 1280, 8, 8), 32),                      # one row per thread
-    "sd_mid_rows_not_multiple": ((1, 1280, 15, 17), 32),  # 255 rows: the last block's partial
+    "sd_mid_rows_not_multiple": ((1, 1280, 15, 17), 32),  # 255 rows: some threads have one row fewer
     "sd_up_1920": ((2, 1920, 16, 16), 32),                # 60-channel groups (16-bit: 4-element vectors)
     "vae_rows": ((1, 256, 96, 96), 32),                   # few images, many rows: clusters of 16
     "vae_streaming": ((1, 256, 256, 256), 32),            # rows streamed (read again for the output)

@@ -7,6 +7,8 @@ same seed, so both see the same weights, data, noise and timesteps, then writes:
     {"config", "stock_samples_per_s", "patched_samples_per_s", "speedup", "max_loss_diff_first_10_steps",
      "stock_losses", "patched_losses", "commit"}
 
+("speedup" is null on the CPU, where both runs take PyTorch's path.)
+
 The defaults are the acceptance run of issue 4: 50 steps of full fine-tuning of the SD1.5-architecture UNet at
 512x512, batch 8, bf16, on one GPU::
 
@@ -122,7 +124,8 @@ def summarize(stock: dict, patched: dict, commit: str) -> dict:
         "config": dict(shared, gn_patch=gn_patch),
         "stock_samples_per_s": stock["samples_per_s"],
         "patched_samples_per_s": patched["samples_per_s"],
-        "speedup": patched["samples_per_s"] / stock["samples_per_s"],
+        # On the CPU both runs take PyTorch's path: their ratio measures the host, not the patch (null).
+        "speedup": None if shared.get("device") == "cpu" else patched["samples_per_s"] / stock["samples_per_s"],
         f"max_loss_diff_first_{COMPARED_STEPS}_steps": max(abs(a - b) for a, b in first),
         "stock_losses": stock["losses"],
         "patched_losses": patched["losses"],
@@ -160,9 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         add_scaling(result, one_gpu)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    on_cpu = result["config"].get("device") == "cpu"
-    # On the CPU both runs take PyTorch's path: their ratio measures the host, not the patch, so it is not printed.
-    ratio = " (on the CPU both runs take PyTorch's path: no speedup to report)" if on_cpu else \
+    ratio = " (on the CPU both runs take PyTorch's path: no speedup to report)" if result["speedup"] is None else \
         f" ({result['speedup']:.3f}x)"
     print(f"stock {result['stock_samples_per_s']:.2f} samples/s, patched {result['patched_samples_per_s']:.2f} "
           f"samples/s{ratio}; max |loss difference| over the first {min(COMPARED_STEPS, len(stock['losses']))} steps "

@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "need it, and their checkpoint is not gathered from shards here")
     if args.prompt_embeds and not args.train_data_dir:
         parser.error("--prompt-embeds belongs to the images of --train-data-dir")
+    if not args.tiny and args.model is None and not torch.cuda.is_available():  # SD1.5's UNet at 512²: hours
+        parser.error("no CUDA GPU here: the default model is SD1.5's full-size UNet, far too slow to train on a "
+                     "CPU; --tiny runs the CPU smoke run, --model trains a model of your own")
     for name in ("train_batch_size", "max_train_steps", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -57,8 +57,8 @@ def test_compare_training_stock_and_patched_agree(tmp_path):
     printed = run("compare_training.py", "--tiny", "--resolution", 32, "--train-batch-size", 2, "--max-train-steps", 3,
                   "--mixed-precision", "no", "--output", output, "--work-dir", runs).stdout
     result = json.loads(output.read_text())
-    # On the CPU the two runs' ratio measures the host, not the patch: not printed.
-    assert ("no speedup to report" in printed) == (result["config"]["device"] == "cpu")
+    # On the CPU the two runs' ratio measures the host, not the patch: neither printed nor recorded.
+    assert ("no speedup to report" in printed) == (result["config"]["device"] == "cpu") == (result["speedup"] is None)
     assert RESULT_KEYS <= result.keys()
     assert len(result["stock_losses"]) == len(result["patched_losses"]) == 3
     # float32 on the CPU: the same weights, data and noise give the same losses up to summation order.
@@ -204,6 +204,20 @@ def test_compare_training_under_fsdp2(tmp_path):
     assert saved.keys() == stock.keys() == patched.state_dict().keys()
     # Three AdamW steps of lr 1e-5 from the same seeded weights (see test_compare_training_stock_and_patched_agree).
     assert max((saved[name] - stock[name]).abs().max().item() for name in stock) < 1e-4
+
+
+def test_training_without_a_gpu_asks_for_the_smoke_run(monkeypatch, capsys):
+    """Full-size SD1.5 training from random weights (the default model) refuses a machine without a GPU at once,
+    naming --tiny and --model: under `accelerate launch --multi_gpu` on such a machine it used to start both
+    processes on the CPU."""
+    spec = importlib.util.spec_from_file_location("train_text_to_image", EXAMPLES / "train_text_to_image.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--mixed-precision", "bf16"])
+    assert "no CUDA GPU here" in capsys.readouterr().err
+    assert train.parse_args(["--tiny"]).tiny and train.parse_args(["--model", "some/model"]).model == "some/model"
 
 
 def test_compare_training_without_a_gpu_asks_for_the_smoke_run(tmp_path, monkeypatch):

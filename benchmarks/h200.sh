@@ -10,6 +10,9 @@
 #              (benchmarks/tools/ncu_shapes.py --peers .peers; apex built into .build/peers, as by `peers`)
 #              -> $OUT/ncu_shapes.txt: executed instructions per warp and cycles per issue, for the small forwards
 #              (NCU_SHAPES="N,C,H,W ..." profiles those shapes instead)
+#   stalls     Nsight Compute's stall reasons per issued instruction of the same kernels at NCU_SHAPES (default:
+#              ncu_shapes.py's), apex's beside them -> $OUT/ncu_stalls.txt (raw) and $OUT/ncu_stalls.md
+#              (benchmarks/tools/ncu_stalls.py's table: instructions per warp, cycles per issue by reason)
 #   modes      benchmarks/tools/channels_last_modes.py: SD1.5's UNet patched with channels_last weights against
 #              channels_last="activations" (FSDP2's mode) -> $OUT/channels_last_modes.json
 #   conv3d     benchmarks/tools/conv3d_layout.py: Conv3d NCDHW vs NDHWC for the video VAE decodes, and the decodes
@@ -76,6 +79,13 @@ for step in "$@"; do
         --section InstructionStats --section SourceCounters python3 benchmarks/tools/ncu_shapes.py \
         --peers "$PWD/.peers" ${NCU_SHAPES:+--shapes "$NCU_SHAPES"} > "$OUT/ncu_shapes.txt" 2>&1 || status=1
       tail -3 "$OUT/ncu_shapes.txt" ;;
+    stalls)
+      ncu --clock-control none --cache-control none -k regex:"forward_kernel|backward_kernel|group_norm_nhwc" \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,\
+smsp__warps_launched.sum,gpu__time_duration.sum" --page raw python3 benchmarks/tools/ncu_shapes.py \
+        --peers "$PWD/.peers" ${NCU_SHAPES:+--shapes "$NCU_SHAPES"} > "$OUT/ncu_stalls.txt" 2>&1 || status=1
+      python3 benchmarks/tools/ncu_stalls.py "$OUT/ncu_stalls.txt" > "$OUT/ncu_stalls.md" || status=1
+      cat "$OUT/ncu_stalls.md" ;;
     modes) python3 benchmarks/tools/channels_last_modes.py --json "$OUT/channels_last_modes.json" 2>&1 | tail -20 ;;
     conv3d) python3 benchmarks/tools/conv3d_layout.py --json "$OUT/conv3d_layout.json" 2>&1 | tail -60 || status=1 ;;
     txt2img)

@@ -472,3 +472,36 @@ def test_harness_shapes_default_to_the_peer_harness(monkeypatch):
     module = _harness_times(monkeypatch, None)
     assert module.SHAPES == module.HARNESS_SHAPES
     assert (2, 1280, 8, 8) in module.SHAPES and (1, 256, 1024, 1024) in module.SHAPES
+
+
+# ------------------------------------------------------------------------------------------------
+# Nsight Compute's stall reasons as a table (benchmarks/tools/ncu_stalls.py, `benchmarks/h200.sh stalls`)
+# ------------------------------------------------------------------------------------------------
+def _ncu_launch(name: str, grid: int, block: int, instructions: int, warps: int, stalls: dict) -> str:
+    lines = [f"  void {name}(ForwardArgs) ({grid}, 1, 1)x({block}, 1, 1), Context 1, Stream 7, Device 0, CC 9.0",
+             "  Metric Name      Metric Unit     Metric Value",
+             "  device__attribute_display_name                          NVIDIA H100 80GB",
+             "  gpu__time_duration.sum                                  us               5.44"]
+    lines += [f"  smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio   inst   {value}"
+              for reason, value in stalls.items()]
+    lines += [f"  smsp__inst_executed.sum       inst     {instructions:,}",
+              f"  smsp__warps_launched.sum      warp     {warps}"]
+    return "\n".join(lines)
+
+
+def test_ncu_stalls_table_keeps_each_pairs_second_launch():
+    spec = importlib.util.spec_from_file_location("ncu_stalls", ROOT / "benchmarks" / "tools" / "ncu_stalls.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = "(anonymous namespace)::forward_kernel<__half, 8, 1, 0, 0, 0>"
+    # Two shapes launching the same kernel, grid and block (each twice): two rows, each its pair's second launch.
+    raw = "\n".join(["==PROF== Connected to process 661",
+                     _ncu_launch(kernel, 64, 224, 100_000, 100, {"wait": 9.0, "selected": 1.0}),
+                     _ncu_launch(kernel, 64, 224, 110_400, 100, {"wait": 1.68, "selected": 1.0, "barrier": 0.0}),
+                     _ncu_launch(kernel, 64, 224, 100_000, 100, {"wait": 9.0}),
+                     _ncu_launch(kernel, 64, 224, 145_300, 100, {"wait": 1.46, "selected": 1.0, "imc_miss": 0.39})])
+    rows = module.table(raw).splitlines()[2:]
+    assert len(rows) == 2
+    assert rows[0] == ("| `forward_kernel<__half, 8, 1, 0, 0, 0>` | 64 x 224 | 5.44 | 1,104 | 2.68 | "
+                       "wait 1.68, selected 1.00 |")
+    assert "| 1,453 | 2.85 | wait 1.46, selected 1.00, imc_miss 0.39 |" in rows[1]

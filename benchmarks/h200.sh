@@ -36,6 +36,14 @@ export GN_PATCH_BUILD_DIR=$PWD/.build
 # peers step was killed so, and the next call's peers and ncu steps hung).
 # The steps of this script run one at a time and nothing else builds on this machine, so any lock found now is stale.
 find "$GN_PATCH_BUILD_DIR" -name lock -type f -delete 2>/dev/null
+# Nsight Compute over benchmarks/tools/ncu_shapes.py (apex's kernels beside gn_patch's, NCU_SHAPES narrowing the
+# shapes), clocks and caches as they are: `ncu_over_shapes OUT_FILE NCU_ARGS...`.
+ncu_over_shapes() {
+  local out=$1
+  shift
+  ncu --clock-control none --cache-control none -k regex:"forward_kernel|backward_kernel|group_norm_nhwc" "$@" \
+    python3 benchmarks/tools/ncu_shapes.py --peers "$PWD/.peers" ${NCU_SHAPES:+--shapes "$NCU_SHAPES"} > "$out" 2>&1
+}
 status=0
 for step in "$@"; do
   start=$(date +%s)
@@ -74,16 +82,12 @@ for step in "$@"; do
       [ "$bench_out" = "$OUT/bench" ] || cp -r "$bench_out" "$OUT/bench" ;;
     ncu)
       # SourceCounters: branch efficiency and shared-memory bank conflicts (excessive wavefronts).
-      ncu --clock-control none --cache-control none -k regex:"forward_kernel|backward_kernel|group_norm_nhwc" \
-        --section LaunchStats --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        --section InstructionStats --section SourceCounters python3 benchmarks/tools/ncu_shapes.py \
-        --peers "$PWD/.peers" ${NCU_SHAPES:+--shapes "$NCU_SHAPES"} > "$OUT/ncu_shapes.txt" 2>&1 || status=1
+      ncu_over_shapes "$OUT/ncu_shapes.txt" --section LaunchStats --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --section SourceCounters || status=1
       tail -3 "$OUT/ncu_shapes.txt" ;;
     stalls)
-      ncu --clock-control none --cache-control none -k regex:"forward_kernel|backward_kernel|group_norm_nhwc" \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,\
-smsp__warps_launched.sum,gpu__time_duration.sum" --page raw python3 benchmarks/tools/ncu_shapes.py \
-        --peers "$PWD/.peers" ${NCU_SHAPES:+--shapes "$NCU_SHAPES"} > "$OUT/ncu_stalls.txt" 2>&1 || status=1
+      ncu_over_shapes "$OUT/ncu_stalls.txt" --page raw --metrics "regex:smsp__average_warps_issue_stalled_.*\
+_per_issue_active\.ratio,smsp__inst_executed.sum,smsp__warps_launched.sum,gpu__time_duration.sum" || status=1
       python3 benchmarks/tools/ncu_stalls.py "$OUT/ncu_stalls.txt" > "$OUT/ncu_stalls.md" || status=1
       cat "$OUT/ncu_stalls.md" ;;
     modes) python3 benchmarks/tools/channels_last_modes.py --json "$OUT/channels_last_modes.json" 2>&1 | tail -20 ;;

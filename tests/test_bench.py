@@ -426,10 +426,16 @@ def test_quick_cpu_section_times_inference_and_training_calls(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The GPU suite's summary (benchmarks/gpu_tests_summary.py, run on the H200 by benchmarks/h200.sh)
 # ------------------------------------------------------------------------------------------------
-def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_tests_summary", ROOT / "benchmarks" / "gpu_tests_summary.py")
+def _load_script(path: Path):
+    """The benchmark script at ``path`` (not a package module) imported as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
+    module = _load_script(ROOT / "benchmarks" / "gpu_tests_summary.py")
     report = tmp_path / "report.xml"
     report.write_text(
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1" '
@@ -456,10 +462,7 @@ def _harness_times(monkeypatch, shapes: str | None):
         monkeypatch.delenv("HARNESS_SHAPES", raising=False)
     else:
         monkeypatch.setenv("HARNESS_SHAPES", shapes)
-    spec = importlib.util.spec_from_file_location("harness_times", ROOT / "benchmarks" / "tools" / "harness_times.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script(ROOT / "benchmarks" / "tools" / "harness_times.py")
 
 
 def test_harness_shapes_narrowed_by_the_environment(monkeypatch):
@@ -490,9 +493,7 @@ def _ncu_launch(name: str, grid: int, block: int, instructions: int, warps: int,
 
 
 def test_ncu_stalls_table_keeps_each_pairs_second_launch():
-    spec = importlib.util.spec_from_file_location("ncu_stalls", ROOT / "benchmarks" / "tools" / "ncu_stalls.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script(ROOT / "benchmarks" / "tools" / "ncu_stalls.py")
     kernel = "(anonymous namespace)::forward_kernel<__half, 8, 1, 0, 0, 0>"
     # Two shapes launching the same kernel, grid and block (each twice): two rows, each its pair's second launch.
     raw = "\n".join(["==PROF== Connected to process 661",

@@ -136,16 +136,17 @@ def test_help():
     assert "--num-processes" in run("compare_training.py", "--help").stdout
 
 
-def load_compare_training():
-    spec = importlib.util.spec_from_file_location("compare_training", EXAMPLES / "compare_training.py")
-    compare_training = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare_training)
-    return compare_training
+def load_example(script: str):
+    """examples/<script> imported as a module (its main not run)."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, EXAMPLES / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_launchers():
     """One process runs plainly, several under accelerate; --fsdp2 needs a distributed launch even for one."""
-    launcher = load_compare_training().launcher
+    launcher = load_example("compare_training.py").launcher
     assert launcher(1, fsdp2=False) == [sys.executable]
     assert launcher(1, fsdp2=True)[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     for fsdp2 in (False, True):
@@ -153,7 +154,7 @@ def test_launchers():
 
 
 def test_default_work_dirs_are_new_folders():
-    compare_training = load_compare_training()
+    compare_training = load_example("compare_training.py")
     assert compare_training.parse_args([])[0].work_dir is None
     first, second = compare_training.new_work_dir(), compare_training.new_work_dir()
     assert first != second and first.is_dir() and second.is_dir() and not any(first.iterdir())
@@ -162,7 +163,7 @@ def test_default_work_dirs_are_new_folders():
 
 
 def test_scaling_against_one_gpu_result():
-    compare_training = load_compare_training()
+    compare_training = load_example("compare_training.py")
     config = {"resolution": 512, "train_batch_size": 8, "mixed_precision": "bf16", "gn_patch": {"fused": {}}}
     one_gpu = {"config": dict(config, num_processes=1, global_batch_size=8), "stock_samples_per_s": 20.0,
                "patched_samples_per_s": 25.0, "commit": "c1"}
@@ -210,9 +211,7 @@ def test_training_without_a_gpu_asks_for_the_smoke_run(monkeypatch, capsys):
     """Full-size SD1.5 training from random weights (the default model) refuses a machine without a GPU at once,
     naming --tiny and --model: under `accelerate launch --multi_gpu` on such a machine it used to start both
     processes on the CPU."""
-    spec = importlib.util.spec_from_file_location("train_text_to_image", EXAMPLES / "train_text_to_image.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_example("train_text_to_image.py")
     monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         train.parse_args(["--mixed-precision", "bf16"])
@@ -223,7 +222,7 @@ def test_training_without_a_gpu_asks_for_the_smoke_run(monkeypatch, capsys):
 def test_compare_training_without_a_gpu_asks_for_the_smoke_run(tmp_path, monkeypatch):
     """The full-size comparison (SD1.5 at 512², batch 8) refuses a machine without a GPU before it starts, naming
     --tiny; with --tiny it runs there (test_compare_training_stock_and_patched_agree)."""
-    compare = load_compare_training()
+    compare = load_example("compare_training.py")
     monkeypatch.setattr(compare.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match=r"no CUDA GPU here.*--tiny"):
         compare.main(["--output", str(tmp_path / "training.json"), "--work-dir", str(tmp_path)])

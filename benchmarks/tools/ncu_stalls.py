@@ -61,7 +61,7 @@ def short_name(kernel: str) -> str:
 
 def row(launch: dict, top: int) -> str:
     metrics = launch["metrics"]
-    stalls = {STALL.fullmatch(m)["reason"]: v for m, v in metrics.items() if STALL.fullmatch(m)}
+    stalls = {match["reason"]: v for m, v in metrics.items() if (match := STALL.fullmatch(m))}
     warps = metrics.get("smsp__warps_launched.sum", 0.0)
     per_warp = f"{metrics['smsp__inst_executed.sum'] / warps:,.0f}" if warps else "-"
     largest = ", ".join(f"{reason} {value:.2f}" for reason, value in

@@ -18,9 +18,9 @@
 // whatever the group; a thread's lanes past lanes_lo take the next group's mean, rstd and dx coefficients.
 // With N > 1 the per-image parameter sums go to scratch and param_grad_kernel sums them over the images in a
 // fixed order, unless one cluster holds all the images of a tile (Geometry::images): its first block then sums
-// them through distributed shared memory. No atomics: gradients are bitwise deterministic. Every kernel is launched
-// as a dependent of the one before it, the first of the stream's previous kernel (launch.cuh's programmatic_launch):
-// launched early, they wait for it in wait_for_prerequisite.
+// them through distributed shared memory. No atomics: gradients are bitwise deterministic. The kernels after the
+// first are launched as dependents of the one before (launch.cuh's programmatic_launch): launched early, they wait
+// for it in wait_for_prerequisite.
 #include "launch.cuh"
 #include "reduce.cuh"
 
@@ -218,14 +218,13 @@ __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) backward_ke
   __shared__ float2 block_sums[kMaxTileChannels];  // in a cluster, per tile channel: read by the cluster's blocks
   __shared__ float2 group_coef[kMaxThreads];       // in a cluster, per tile group: the dx coefficients
   __shared__ float2 tile_affine[kMaxTileChannels];  // channel_affine per tile channel
+  if (a.dependent_follows) let_dependents_launch();
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/false, /*image_clusters=*/true);
   const int64_t offset = b.n * g.S * g.C + b.c0;
   const T* x = static_cast<const T*>(a.x) + offset;
   const T* dy = static_cast<const T*>(a.dy) + offset;
   const int64_t rows = thread_rows(g, b);
-  wait_for_prerequisite();  // the pass's first kernel
-  let_dependents_launch();
 
   Pack<T, V> xs[kRows], dys[kRows];  // resident rows, kept for dx
   if (g.resident) {
@@ -328,11 +327,10 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) sums_kernel(const BackwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kBackward, V * sizeof(T), Straddle);
   __shared__ float2 items[kMaxThreads * V];
+  if (a.dependent_follows) let_dependents_launch();
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const int64_t offset = b.n * g.S * g.C + b.c0;
-  wait_for_prerequisite();  // the pass's first kernel
-  let_dependents_launch();
   LaneSums<V> sums;
   streamed_sums<T, V, A, kRows, Straddle>(static_cast<const T*>(a.x) + offset, static_cast<const T*>(a.dy) + offset,
                                           g, b, thread_rows(g, b), lane_constants<T, V, Straddle>(a, b), sums);
@@ -349,7 +347,7 @@ constexpr int kCoefficientThreads = 256;
 
 template <typename T>
 __global__ void coefficients_kernel(const BackwardArgs a) {
-  let_dependents_launch();
+  if (a.dependent_follows) let_dependents_launch();
   wait_for_prerequisite();
   const Geometry& g = a.geo;
   const int64_t ng = blockIdx.x, n = ng / g.G, group = ng % g.G;
@@ -380,7 +378,7 @@ template <typename T, int V, Act A, bool Straddle>
 __global__ void __launch_bounds__(kMaxThreads, kBackwardBlocksPerSm) dx_kernel(const BackwardArgs a) {
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g, /*reverse=*/true);
-  let_dependents_launch();
+  if (a.dependent_follows) let_dependents_launch();
   if (!b.active) return;  // no barriers in this kernel
   wait_for_prerequisite();
   const int64_t offset = b.n * g.S * g.C + b.c0;
@@ -398,7 +396,6 @@ __global__ void param_grad_kernel(const float2* sums, int64_t rows, int64_t C, P
   constexpr int kLanes = 8, kAcc = 4;
   __shared__ float2 smem[kLanes][33];
   wait_for_prerequisite();
-  let_dependents_launch();
   const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x % 32;
   const int lane = threadIdx.x / 32;
   float2 acc[kAcc];
@@ -429,17 +426,22 @@ void launch_param_grad(const BackwardArgs& a, cudaStream_t stream) {
          static_cast<P*>(a.dbias));
 }
 
-// The pass's kernels in order, each launched as a dependent of the kernel before it (the first of the stream's
-// previous kernel, whoever launched it: reduce.cuh's wait_for_prerequisite).
+// The pass's kernels in order, each after the first launched as a dependent of the one before; each kernel's
+// arguments say whether one follows (BackwardArgs::dependent_follows).
 template <typename T, int V, Act A, bool Straddle>
-void launch_backward_kernels(const BackwardArgs& a, cudaStream_t stream) {
-  const Geometry& g = a.geo;
-  const bool param_grads = a.param_sums != nullptr;  // param_grad_kernel comes last
+void launch_backward_kernels(const BackwardArgs& args, cudaStream_t stream) {
+  const Geometry& g = args.geo;
+  const bool param_grads = args.param_sums != nullptr;  // param_grad_kernel comes last
+  BackwardArgs a = args;
   if (g.clustered) {
-    launch_kernel(backward_kernel<T, V, A, Straddle>, g, stream, a, /*dependent=*/true);
+    a.dependent_follows = param_grads;
+    launch_kernel(backward_kernel<T, V, A, Straddle>, g, stream, a);
   } else {
-    launch_kernel(sums_kernel<T, V, A, Straddle>, g, stream, a, /*dependent=*/true);
+    a.dependent_follows = true;
+    launch_kernel(sums_kernel<T, V, A, Straddle>, g, stream, a);
+    a.dependent_follows = a.dx != nullptr || param_grads;
     launch(coefficients_kernel<T>, g.N * g.G, kCoefficientThreads, 1, /*dependent=*/true, stream, a);
+    a.dependent_follows = param_grads;
     if (a.dx != nullptr) launch_kernel(dx_kernel<T, V, A, Straddle>, g, stream, a, /*dependent=*/true);
   }
   if (param_grads) {

@@ -1,8 +1,7 @@
 // Forward: y = act(((x - mean[n,g]) * rstd[n,g] * weight[c] + bias[c]) * (1 + scale[n,c]) + shift[n,c]) on
 // channels-last (N, S, C) data.
 //
-// Clustered (one kernel; grid N * tiles * splits, see Geometry; launched as a dependent of the stream's previous
-// kernel, its launch overlapping that kernel where it lets dependents in early, as ours do): each block reduces its rows of its tile's groups
+// Clustered (one kernel; grid N * tiles * splits, see Geometry): each block reduces its rows of its tile's groups
 // to per-group Welford statistics; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
 // through distributed shared memory in rank order; every block then normalises its rows, from registers when
 // resident, else read again, last first (from L2: the block read them moments before). A block without a cluster
@@ -12,7 +11,6 @@
 //   1. stats_kernel     the blocks' per-group statistics -> scratch
 //   2. finalize_kernel  one warp per (n, g) combines the splits' -> mean, rstd
 //   3. normalize_kernel grid as 1, walked in reverse to start on the rows still in L2.
-// (launched in stream order: as dependents of each other they were slower, benchmarks/NOTES.md session 20).
 //
 // Within a thread, statistics are sums of deviations from the batch's first element (one pass over the rows held
 // in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
@@ -360,8 +358,6 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const int64_t rows = thread_rows(g, b);
   const RowOffset<T, V, Offset> offset(a, b);
-  wait_for_prerequisite();  // launched as a dependent of the stream's previous kernel, whoever launched it
-  let_dependents_launch();
 
   Pack<T, V> packs[kRows];  // resident rows
   if (resident) {
@@ -488,11 +484,9 @@ void launch_forward_kernels(const ForwardArgs& a, cudaStream_t stream) {
   const Geometry& g = a.geo;
   if (g.clustered) {
     if constexpr (kStreamedApart<T, V>) {
-      if (!g.resident) {
-        return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, true>, g, stream, a, /*dependent=*/true);
-      }
+      if (!g.resident) return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, true>, g, stream, a);
     }
-    return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, false>, g, stream, a, /*dependent=*/true);
+    return launch_kernel(forward_kernel<T, V, A, Straddle, Offset, false>, g, stream, a);
   }
   launch_kernel(stats_kernel<T, V, Straddle, Offset>, g, stream, a);
   const unsigned finalize_blocks = (unsigned)((g.N * g.G + kFinalizeThreads / 32 - 1) / (kFinalizeThreads / 32));

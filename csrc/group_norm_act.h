@@ -237,6 +237,9 @@ struct BackwardArgs {
   // (N, G) pairs of dx coefficients.
   float* channel_partials;
   float* coefficients;
+  // Whether a kernel of ours, launched as a dependent, follows the one launched with these arguments: it then lets
+  // it launch early (let_dependents_launch). Set per launch by launch_backward_kernels, which orders them.
+  bool dependent_follows = false;
 };
 
 void launch_forward(const ForwardArgs& args, cudaStream_t stream);

@@ -224,26 +224,22 @@ __device__ __forceinline__ void cluster_wait(int cluster) {
 #endif
 }
 
-// Programmatic dependent launch (launch.cuh's `dependent`): the stream's next kernel, where it was launched as a
-// dependent (every kernel of ours but the unclustered forward's), may be launched once every block of this grid has
-// executed this; its blocks then become resident and wait in wait_for_prerequisite, so its launch latency overlaps
-// this kernel. By the time every block of the grid has called it, the last of them has been scheduled, so the
-// waiting blocks never hold an SM this grid still needs. A kernel that may follow another library's (a pass's first)
-// calls it after its own wait_for_prerequisite: the later kernels of its pass, which read x, dy and the parameters
-// before they wait, then start only once the kernels before the pass have completed, and no more than one pass's
-// kernels wait at a time. Another library's kernel launched as a dependent after ours is let in early too (correct
-// if it waits as it must).
+// Programmatic dependent launch (launch.cuh's `dependent`): the next kernel of the pass may be launched once every
+// block of this grid has executed this; its blocks then become resident and wait in wait_for_prerequisite. Called
+// first thing: by the time every block of the grid has called it, the last of them has been scheduled, so the
+// waiting blocks never hold an SM this grid still needs. Called only where one of ours follows: another library's
+// kernel launched as a dependent after ours would otherwise be let in early (correct, if it waits as it must, but
+// holding SMs from the start).
 __device__ __forceinline__ void let_dependents_launch() {
 #if GN_PATCH_CLUSTERS
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
-// A kernel launched as a dependent waits here, before it reads what the kernel before it wrote or writes what that
-// kernel may still read, until that kernel has completed and its writes are visible (which holds for the kernels
-// before it too: each waited for its own). A pass's first kernel waits before any global access; the pass's later
-// kernels may read what kernels before the pass wrote (x, dy, the parameters) before it. Returns at once in a
-// kernel not launched as a dependent.
+// A kernel launched as a dependent waits here, before it reads what the kernel before it wrote, until that kernel
+// has completed and its writes are visible (which holds for the kernels before it too: each waited for its own).
+// What kernels before the pass's first kernel wrote (x, dy, the parameters) may be read before it. Returns at once
+// in a kernel not launched as a dependent.
 __device__ __forceinline__ void wait_for_prerequisite() {
 #if GN_PATCH_CLUSTERS
   asm volatile("griddepcontrol.wait;" ::: "memory");

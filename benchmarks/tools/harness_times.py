@@ -8,6 +8,7 @@ committed comparison with the peers is `python -m gn_patch.bench --peers DIR`.
 """
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -35,7 +36,9 @@ CALLS = 20
 TORCH = os.environ.get("HARNESS_TORCH", "1") == "1"  # HARNESS_TORCH=0: gn_patch's columns only (A/B runs)
 
 
-def graph_us(fn) -> float:
+def graph_us(fn, calls: int = CALLS, replays: int = 5) -> float:
+    """Median µs per call of ``replays`` replays of a CUDA graph holding ``calls`` calls of ``fn`` (warmed up on a
+    side stream, as torch.cuda.graphs asks)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -45,19 +48,19 @@ def graph_us(fn) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return sorted(times)[2]
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
 
 
 def time_shape(shape: tuple[int, ...], dtype: torch.dtype) -> dict:

@@ -2,7 +2,6 @@
 the txt2img pipeline wiring) and, on a GPU, a smoke run of the kernel table. The peers section: test_bench_peers.py."""
 
 import argparse
-import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -14,6 +13,8 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 
 from gn_patch import GroupNormAct, configs
 from gn_patch.bench import cli, e2e, kernels, models, report, results, settings
+
+from .scripts import load_script
 
 E5, E6 = 1e-5, 1e-6
 ROOT = Path(__file__).resolve().parents[1]
@@ -426,16 +427,8 @@ def test_quick_cpu_section_times_inference_and_training_calls(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The GPU suite's summary (benchmarks/gpu_tests_summary.py, run on the H200 by benchmarks/h200.sh)
 # ------------------------------------------------------------------------------------------------
-def _load_script(path: Path):
-    """The benchmark script at ``path`` (not a package module) imported as a module."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
-    module = _load_script(ROOT / "benchmarks" / "gpu_tests_summary.py")
+    module = load_script(ROOT / "benchmarks" / "gpu_tests_summary.py")
     report = tmp_path / "report.xml"
     report.write_text(
         '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1" '
@@ -462,7 +455,7 @@ def _harness_times(monkeypatch, shapes: str | None):
         monkeypatch.delenv("HARNESS_SHAPES", raising=False)
     else:
         monkeypatch.setenv("HARNESS_SHAPES", shapes)
-    return _load_script(ROOT / "benchmarks" / "tools" / "harness_times.py")
+    return load_script(ROOT / "benchmarks" / "tools" / "harness_times.py")
 
 
 def test_harness_shapes_narrowed_by_the_environment(monkeypatch):
@@ -493,7 +486,7 @@ def _ncu_launch(name: str, grid: int, block: int, instructions: int, warps: int,
 
 
 def test_ncu_stalls_table_keeps_each_pairs_second_launch():
-    module = _load_script(ROOT / "benchmarks" / "tools" / "ncu_stalls.py")
+    module = load_script(ROOT / "benchmarks" / "tools" / "ncu_stalls.py")
     kernel = "(anonymous namespace)::forward_kernel<__half, 8, 1, 0, 0, 0>"
     # Two shapes launching the same kernel, grid and block (each twice): two rows, each its pair's second launch.
     raw = "\n".join(["==PROF== Connected to process 661",

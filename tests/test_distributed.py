@@ -11,7 +11,6 @@ the model fully_shard would have made of the stock one.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import socket
@@ -43,6 +42,7 @@ from .training_utils import (
     probe_loss,
     unet_inputs,
 )
+from .scripts import load_script
 from .tiny_models import assert_same_outputs, module_types, sd15_unet_inputs, tiny_sd15_unet
 
 WORLD_SIZE = 2
@@ -255,10 +255,7 @@ def test_unpatch_under_fully_shard_of_a_parametrized_norm_restores_stock(gloo_gr
 # calls) on a single-process gloo group, and the whole script with accelerate's state made FSDP by the test as it
 # is on GPUs; tests/test_train_example.py runs the script under FSDP2 on a GPU unchanged.
 def load_train_script():
-    spec = importlib.util.spec_from_file_location("train_text_to_image", TRAIN_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TRAIN_SCRIPT)
 
 
 def test_train_script_fsdp2_arguments():

@@ -855,6 +855,7 @@ def test_back_to_back_calls_replayed_as_one_at_a_time(case):
         for i, (got, want) in enumerate(zip(captured, expected)):
             assert torch.equal(got, want), f"output {i}: replayed back to back differs from one call at a time"
 
+
 FIRST_CALLS_IN_CAPTURE = """
 import sys
 import torch

@@ -5,7 +5,6 @@ txt2img example."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -30,6 +29,7 @@ from gn_patch.surgeon import patch_model, unpatch_model
 
 from .tiny_models import (OpCounter, assert_same_outputs, make_model, module_types, randn, rel_l2, sd15_unet_inputs,
                           tiny_controlnet, tiny_sd15_unet, tiny_vae)
+from .scripts import load_script
 
 TEXT_WIDTH = configs.TINY_SD15_UNET["cross_attention_dim"]
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2", "proj_in", "proj_out"]
@@ -368,11 +368,7 @@ def test_enable_model_cpu_offload_cuda():
 # examples/txt2img.py
 # ------------------------------------------------------------------------------------------------
 def load_example():
-    path = Path(__file__).resolve().parents[1] / "examples" / "txt2img.py"
-    spec = importlib.util.spec_from_file_location("txt2img_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parents[1] / "examples" / "txt2img.py")
 
 
 def test_txt2img_example_without_a_gpu_needs_device_cpu(monkeypatch, capsys):

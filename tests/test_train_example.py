@@ -7,7 +7,6 @@ accumulation and checkpointing, and real components loaded with --model all run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -23,6 +22,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from gn_patch import configs
+
+from .scripts import load_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RESULT_KEYS = {"config", "stock_samples_per_s", "patched_samples_per_s", "max_loss_diff_first_10_steps", "commit"}
@@ -138,10 +139,7 @@ def test_help():
 
 def load_example(script: str):
     """examples/<script> imported as a module (its main not run)."""
-    spec = importlib.util.spec_from_file_location(Path(script).stem, EXAMPLES / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / script)
 
 
 def test_launchers():

@@ -89,11 +89,20 @@ def parameter_grads(model: torch.nn.Module, inputs: dict, probe: torch.Tensor,
     return collect_grads(model)
 
 
+def _squared_error_and_scale(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(||actual - expected||^2, ||expected||^2) in float64."""
+    expected = expected.double()
+    return (actual.double() - expected).square().sum().item(), expected.square().sum().item()
+
+
+def _relative(squared_error: float, squared_scale: float) -> float:
+    assert squared_scale > 0, "reference gradient is all zeros: the comparison would prove nothing"
+    return (squared_error / squared_scale) ** 0.5
+
+
 def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64; expected must not be all zeros."""
-    scale = expected.double().norm().item()
-    assert scale > 0, "reference gradient is all zeros: the comparison would prove nothing"
-    return (actual.double() - expected.double()).norm().item() / scale
+    return _relative(*_squared_error_and_scale(actual, expected))
 
 
 def joint_relative_l2(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], names) -> float:
@@ -102,13 +111,8 @@ def joint_relative_l2(actual: dict[str, torch.Tensor], expected: dict[str, torch
     Summed one parameter at a time: a float64 copy of a whole UNet's gradients (6.4 GiB for SD1.5) put the GPU suite's
     parallel workers out of memory.
     """
-    squared_error = squared_scale = 0.0
-    for name in names:
-        difference = actual[name].double() - expected[name].double()
-        squared_error += difference.square().sum().item()
-        squared_scale += expected[name].double().square().sum().item()
-    assert squared_scale > 0, "reference gradient is all zeros: the comparison would prove nothing"
-    return (squared_error / squared_scale) ** 0.5
+    sums = [_squared_error_and_scale(actual[name], expected[name]) for name in names]
+    return _relative(sum(error for error, _ in sums), sum(scale for _, scale in sums))
 
 
 def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -5,6 +5,7 @@ NaN/inf propagation, and composability (compile, export, CUDA graphs).
 
 Outputs are NaN-poisoned before every call (see `poisoned`), inputs are random (3 * randn + 1)."""
 
+import copy
 import math
 import os
 import subprocess
@@ -854,6 +855,65 @@ def test_back_to_back_calls_replayed_as_one_at_a_time(case):
         torch.cuda.synchronize()
         for i, (got, want) in enumerate(zip(captured, expected)):
             assert torch.equal(got, want), f"output {i}: replayed back to back differs from one call at a time"
+
+
+def training_step(module, x, gy):
+    """One step's forward and backward through the autograd engine: y, and the gradients the step accumulates."""
+    y = module(x)
+    y.backward(gy)
+    return y
+
+
+@pytest.mark.parametrize("capture", ["graphed_callable", "whole_step"])
+@pytest.mark.parametrize("case", ["sd_mid", "sd_resnet_large", "many_images_streaming", "vae_streaming"])
+def test_captured_training_step_matches_eager(case, capture):
+    """A GroupNormAct's forward and its backward through the autograd engine, captured in a CUDA graph as PyTorch
+    documents it (torch.cuda.make_graphed_callables of the module, or the whole step under torch.cuda.graph after a
+    warm-up on a side stream), replayed on new data, give bitwise the eager step's y and gradients (of x, weight and
+    bias): the C++ autograd node's backward launches on the capturing stream and syncs nothing."""
+    shape, groups = CASES[case]
+    torch.manual_seed(0)
+    eager = gn_patch.GroupNormAct(groups, shape[1]).cuda()
+    with torch.no_grad():
+        eager.weight.uniform_(0.5, 1.5)
+        eager.bias.uniform_(-0.5, 0.5)
+    graphed = copy.deepcopy(eager)
+    static_x = random_input(shape, torch.float16, "cuda").requires_grad_()
+    static_gy = random_input(shape, torch.float16, "cuda", scale=1.0, seed=5)
+    if capture == "graphed_callable":
+        graphed = torch.cuda.make_graphed_callables(graphed, (static_x,))
+    else:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                training_step(graphed, static_x, static_gy)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        static_x.grad = None
+        graphed.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            static_y = training_step(graphed, static_x, static_gy)
+    for seed in (11, 12):
+        x = random_input(shape, torch.float16, "cuda", seed=seed).requires_grad_()
+        gy = random_input(shape, torch.float16, "cuda", scale=1.0, seed=seed + 10)
+        eager.zero_grad(set_to_none=True)
+        want = training_step(eager, x, gy)
+        if capture == "graphed_callable":
+            graphed.zero_grad(set_to_none=True)
+            got_x = x.detach().clone().requires_grad_()
+            got = training_step(graphed, got_x, gy)
+            got_dx = got_x.grad
+        else:
+            with torch.no_grad():
+                static_x.copy_(x)
+                static_gy.copy_(gy)
+            graph.replay()
+            got, got_dx = static_y, static_x.grad
+        torch.cuda.synchronize()
+        for name, g, w in [("y", got, want), ("dx", got_dx, x.grad), ("dweight", graphed.weight.grad,
+                           eager.weight.grad), ("dbias", graphed.bias.grad, eager.bias.grad)]:
+            assert g is not None and torch.equal(g, w), f"{name}: the captured step differs from the eager one"
 
 
 FIRST_CALLS_IN_CAPTURE = """

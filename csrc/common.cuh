@@ -327,6 +327,11 @@ __device__ __forceinline__ float2 shfl_xor(float2 v, int offset) {
   return make_float2(__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset));
 }
 
+// Lane `lane`'s v in every lane of the warp.
+__device__ __forceinline__ float2 shfl(float2 v, int lane) {
+  return make_float2(__shfl_sync(0xffffffffu, v.x, lane), __shfl_sync(0xffffffffu, v.y, lane));
+}
+
 __device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
 // Combines the values of `width` aligned lanes (width a power of two <= 32) in a fixed butterfly order; every lane

@@ -2,7 +2,7 @@
 // channels-last (N, S, C) data.
 //
 // Clustered (one kernel; grid N * tiles * splits, see Geometry): each block reduces its rows of its tile's groups
-// to per-group Welford statistics; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
+// to per-group sums; the `splits` blocks of one (n, tile), a thread-block cluster, combine theirs
 // through distributed shared memory in rank order; every block then normalises its rows, from registers when
 // resident, else read again, last first (from L2: the block read them moments before). A block without a cluster
 // (splits = 1) needs no block-wide total: after the barrier that publishes the warps' parts, each thread combines
@@ -12,8 +12,12 @@
 //   2. finalize_kernel  one warp per (n, g) combines the splits' -> mean, rstd
 //   3. normalize_kernel grid as 1, walked in reverse to start on the rows still in L2.
 //
-// Within a thread, statistics are sums of deviations from the batch's first element (one pass over the rows held
-// in registers); across threads and blocks, Chan combinations with a reference value per partial (common.cuh).
+// Statistics: in the clustered kernel, sums of deviations from one reference per group (its first element, which
+// every thread and block of the group loads), added up as plain floats through the warps, the block and the
+// cluster, and taken a second time about the mean where the reference lies far from it (group_reference,
+// reference_within_spread). In the unclustered kernels, whose partials stream from many blocks, Welford statistics:
+// within a thread, sums of deviations from the batch's first element; across threads and blocks, Chan combinations
+// with a reference value per partial (common.cuh).
 // Straddling geometries (Geometry::straddle: 16-byte vectors over groups of more than 8 16-bit channels, not a
 // multiple of 8) run the same kernels instantiated with Straddle: each thread keeps both groups' statistics apart.
 // With an input bias or offset (ForwardArgs::input_bias, input_offset: diffusers' `conv1(x) + temb` before a resnet
@@ -65,14 +69,10 @@ struct RowOffset {
   }
 };
 
-// Statistics of the first `rows` of U packs in one pass over the registers: sums of the deviations from the
-// batch's first element k (the reference), mean = k + s1 / n, m2 = s2 - s1^2 / n. The deviations stay within the
-// batch's own spread, so neither a large common offset nor an outlier cancels: the rounding error of m2 is a few
-// ulp of n times the squared distance of k from the batch mean, itself part of m2.
+// Sums of the deviations of the first `rows` of U packs from k, (sum (v - k), sum (v - k)^2), in one pass over the
+// registers.
 template <typename T, int V, int U>
-__device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int rows) {
-  if (rows == 0) return Welford{};
-  const float k = bits_to_float<T>(pack_element(packs[0], 0));
+__device__ __forceinline__ float2 rows_sums(const Pack<T, V> (&packs)[U], int rows, float k) {
   float s1 = 0.f, s2 = 0.f;
   auto add_row = [&](const Pack<T, V>& pack) {
     float v[V];
@@ -93,25 +93,19 @@ __device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int 
       if (u < rows) add_row(packs[u]);
     }
   }
-  return sums_to_welford(k, s1, s2, (float)(rows * V));
+  return make_float2(s1, s2);
 }
 
-// Statistics of the first `rows` of U packs whose lanes straddle two groups (Geometry::straddle): lanes
-// j < lanes_lo belong to the thread's group (lo), the others to the next (hi). As rows_stats, with each group's
-// first element in the batch as its reference; per lane sums, then each group's sums over its lanes, taken with
-// selects so that a NaN or inf in one group's lanes stays out of the other's statistics.
+// rows_sums of packs whose lanes straddle two groups (Geometry::straddle): lanes j < lanes_lo belong to the thread's
+// group (lo, deviations from k.lo), the others to the next (hi, from k.hi). Per lane sums, then each group's over its
+// lanes, taken with selects so that a NaN or inf in one group's lanes stays out of the other's sums.
 template <typename T, int V, int U>
-__device__ __forceinline__ void rows_stats_straddle(const Pack<T, V> (&packs)[U], int rows, int lanes_lo, Welford& lo,
-                                                    Welford& hi) {
-  lo = Welford{};
-  hi = Welford{};
-  if (rows == 0) return;
-  const float k_lo = bits_to_float<T>(pack_element(packs[0], 0));
-  const float k_hi = bits_to_float<T>(pack_element(packs[0], V - 1));
+__device__ __forceinline__ GroupPair<float2> rows_sums_straddle(const Pack<T, V> (&packs)[U], int rows, int lanes_lo,
+                                                                const GroupPair<float>& k) {
   float ref[V], s1[V], s2[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    ref[j] = j < lanes_lo ? k_lo : k_hi;
+    ref[j] = j < lanes_lo ? k.lo : k.hi;
     s1[j] = 0.f;
     s2[j] = 0.f;
   }
@@ -134,18 +128,41 @@ __device__ __forceinline__ void rows_stats_straddle(const Pack<T, V> (&packs)[U]
       if (u < rows) add_row(packs[u]);
     }
   }
-  float s1_lo = 0.f, s2_lo = 0.f, s1_hi = 0.f, s2_hi = 0.f;
+  GroupPair<float2> sums{};
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const bool in_lo = j < lanes_lo;
-    s1_lo += in_lo ? s1[j] : 0.f;
-    s2_lo += in_lo ? s2[j] : 0.f;
-    s1_hi += in_lo ? 0.f : s1[j];
-    s2_hi += in_lo ? 0.f : s2[j];
+    sums.lo = add2(sums.lo, in_lo ? make_float2(s1[j], s2[j]) : make_float2(0.f, 0.f));
+    sums.hi = add2(sums.hi, in_lo ? make_float2(0.f, 0.f) : make_float2(s1[j], s2[j]));
   }
+  return sums;
+}
+
+// Welford statistics of the first `rows` of U packs: sums of the deviations from the batch's first element k (the
+// reference), mean = k + s1 / n, m2 = s2 - s1^2 / n. The deviations stay within the batch's own spread, so neither
+// a large common offset nor an outlier cancels: the rounding error of m2 is a few ulp of n times the squared
+// distance of k from the batch mean, itself part of m2.
+template <typename T, int V, int U>
+__device__ __forceinline__ Welford rows_stats(const Pack<T, V> (&packs)[U], int rows) {
+  if (rows == 0) return Welford{};
+  const float k = bits_to_float<T>(pack_element(packs[0], 0));
+  const float2 s = rows_sums<T, V, U>(packs, rows, k);
+  return sums_to_welford(k, s.x, s.y, (float)(rows * V));
+}
+
+// rows_stats for straddling vectors: each group's first element in the batch as its reference.
+template <typename T, int V, int U>
+__device__ __forceinline__ void rows_stats_straddle(const Pack<T, V> (&packs)[U], int rows, int lanes_lo, Welford& lo,
+                                                    Welford& hi) {
+  lo = Welford{};
+  hi = Welford{};
+  if (rows == 0) return;
+  const GroupPair<float> k{bits_to_float<T>(pack_element(packs[0], 0)),
+                           bits_to_float<T>(pack_element(packs[0], V - 1))};
+  const GroupPair<float2> s = rows_sums_straddle<T, V, U>(packs, rows, lanes_lo, k);
   const int lanes = min(lanes_lo, V);
-  lo = sums_to_welford(k_lo, s1_lo, s2_lo, (float)(rows * lanes));
-  if (lanes < V) hi = sums_to_welford(k_hi, s1_hi, s2_hi, (float)(rows * (V - lanes)));
+  lo = sums_to_welford(k.lo, s.lo.x, s.lo.y, (float)(rows * lanes));
+  if (lanes < V) hi = sums_to_welford(k.hi, s.hi.x, s.hi.y, (float)(rows * (V - lanes)));
 }
 
 // Statistics of the rows this thread streams (not resident), a batch of U rows in flight at a time.
@@ -242,30 +259,95 @@ __device__ __forceinline__ void normalize_streamed(const T* x, T* y, const Geome
   }
 }
 
-// (reference, mean offset, rstd) of group ng's total statistics; the writer stores its mean and rstd where the call
-// has them (an inference call has none).
-__device__ __forceinline__ float4 group_stats_of(const Welford& t, const ForwardArgs& a, bool writer, int64_t ng) {
-  const float r = rsqrtf(t.m2 / t.count + a.eps);
+// A group's first and second moments about a reference value: (reference, mean - reference, variance). The
+// variance of sums about the reference (moments_of) may fall below zero by rounding.
+struct GroupMoments {
+  float ref, mean, var;
+};
+
+// (reference, mean offset, rstd) of group ng's moments; the writer stores its mean and rstd where the call has them
+// (an inference call has none).
+__device__ __forceinline__ float4 group_stats_of(const GroupMoments& m, const ForwardArgs& a, bool writer, int64_t ng) {
+  const float r = rsqrtf((m.var < 0.f ? 0.f : m.var) + a.eps);  // a select, not fmaxf: NaN propagates
   if (writer && a.mean != nullptr) {
-    a.mean[ng] = t.ref + t.mean;
+    a.mean[ng] = m.ref + m.mean;
     a.rstd[ng] = r;
   }
-  return make_float4(t.ref, t.mean, r, 0.f);
+  return make_float4(m.ref, m.mean, r, 0.f);
 }
 
-// A thread's statistics: of its group (lo) and, for straddling vectors, of the next group (hi).
-using ThreadStats = GroupPair<Welford>;
+__device__ __forceinline__ float4 group_stats_of(const Welford& t, const ForwardArgs& a, bool writer, int64_t ng) {
+  return group_stats_of(GroupMoments{t.ref, t.mean, t.m2 / t.count}, a, writer, ng);
+}
+
+// The clustered kernel's statistics are sums of deviations from one reference k per group, loaded by every thread
+// and block of the group: k is the group's first element (the first channel of the image's first row), with the
+// input terms the kernel adds to its rows, rounded as RowOffset rounds them (so that the kernel's sums, and its
+// outputs, are bitwise those of the same call on the summed input). Sums about a common k add up as two plain floats
+// through the warps, the block and the cluster (a butterfly level is 2 shuffles and 2 adds, where a Welford
+// combination of per-thread references is 4 shuffles and ~20 instructions with a division).
+template <typename T, bool Offset>
+__device__ __forceinline__ float group_reference(const ForwardArgs& a, int64_t n, int64_t group) {
+  const int64_t c = group * a.geo.D;
+  float k = to_float(static_cast<const T*>(a.x)[n * a.geo.S * a.geo.C + c]);
+  if constexpr (Offset) {  // each add rounded to T, as add_packs
+    if (a.input_bias != nullptr) k = to_float(from_float<T>(k + to_float(static_cast<const T*>(a.input_bias)[c])));
+    if (a.input_offset != nullptr) {
+      k = to_float(from_float<T>(k + to_float(static_cast<const T*>(a.input_offset)[n * a.geo.C + c])));
+    }
+  }
+  return k;
+}
+
+// The moments about k of a group's sums (sum (x - k), sum (x - k)^2) over its elements (inv_count: 1 / (S * D)).
+__device__ __forceinline__ GroupMoments moments_of(float k, float2 sums, float inv_count) {
+  const float mean = sums.x * inv_count;
+  return GroupMoments{k, mean, fmaf(-mean, mean, sums.y * inv_count)};
+}
+
+// The variance from sums about k is var = E[(x - k)^2] - (mean - k)^2: exact to a few float32 roundings of
+// E[(x - k)^2] = var * (1 + t^2), t the distance of k from the mean in standard deviations. Where k lies within
+// kMaxReferenceSpread of them (t <= 4: the relative error stays below 1e-5, with the sums' own roundings), it is
+// kept; otherwise (k an outlier of its group, or NaN or inf in the group) the kernel takes the sums a second time,
+// about k + mean, a reference within float32 rounding of the mean. For normally distributed data the first element
+// lies beyond 4 standard deviations of its group's mean once in 16,000 groups.
+constexpr float kMaxReferenceSpread = 4.f;
+
+__device__ __forceinline__ bool reference_within_spread(const GroupMoments& m) {
+  return m.mean * m.mean <= kMaxReferenceSpread * kMaxReferenceSpread * m.var;  // false for NaN
+}
+
+// A thread's sums about its groups' references: of its group (lo) and, for straddling vectors, of the next (hi).
+using ThreadSums = GroupPair<float2>;
 
 template <typename T, int V, bool Straddle, int U>
-__device__ __forceinline__ ThreadStats resident_stats(const Pack<T, V> (&packs)[U], int64_t rows, const BlockCoord& b) {
-  ThreadStats t{};
+__device__ __forceinline__ ThreadSums packs_sums(const Pack<T, V> (&packs)[U], int rows, const BlockCoord& b,
+                                                 const GroupPair<float>& k) {
   if constexpr (Straddle) {
-    rows_stats_straddle<T, V, U>(packs, (int)rows, b.lanes_lo, t.lo, t.hi);
+    return rows_sums_straddle<T, V, U>(packs, rows, b.lanes_lo, k);
   } else {
-    t.lo = rows_stats<T, V, U>(packs, (int)rows);
+    return ThreadSums{rows_sums<T, V, U>(packs, rows, k.lo), make_float2(0.f, 0.f)};
+  }
+}
+
+// The thread's sums about k over the rows it streams (not resident), U rows in flight at a time.
+template <typename T, int V, bool Straddle, int U, typename Offset>
+__device__ __forceinline__ ThreadSums streamed_sums(const T* x, const Geometry& g, const BlockCoord& b, int64_t rows,
+                                                    const Offset& offset, const GroupPair<float>& k) {
+  ThreadSums t{};
+  for (int64_t u0 = 0; u0 < rows; u0 += U) {
+    Pack<T, V> batch[U];
+    load_rows<T, V, U>(batch, x, g, b, u0, rows);
+    offset.add_to(batch);
+    const ThreadSums s = packs_sums<T, V, Straddle, U>(batch, (int)min((int64_t)U, rows - u0), b, k);
+    t.lo = add2(t.lo, s.lo);
+    t.hi = add2(t.hi, s.hi);
   }
   return t;
 }
+
+// A thread's Welford statistics (the unclustered kernels'): of its group (lo) and, straddling, of the next (hi).
+using ThreadStats = GroupPair<Welford>;
 
 template <typename T, int V, bool Straddle, int U, typename Offset>
 __device__ __forceinline__ ThreadStats streamed_thread_stats(const T* x, const Geometry& g, const BlockCoord& b,
@@ -279,16 +361,36 @@ __device__ __forceinline__ ThreadStats streamed_thread_stats(const T* x, const G
   return t;
 }
 
-// The per-warp parts of the block's group totals of the threads' statistics -> partial (block_group_partials;
-// items_hi: the straddling reduction's second array). Ends with a block barrier.
-template <bool Straddle>
-__device__ __forceinline__ void block_partials_of(const ThreadStats& t, Welford* items, Welford* items_hi,
-                                                  Welford* partial, const Geometry& g) {
+// The per-warp parts of the block's group totals of the threads' sums or statistics -> partial
+// (block_group_partials; items_hi: the straddling reduction's second array). Ends with a block barrier.
+template <bool Straddle, typename Acc, typename Combine>
+__device__ __forceinline__ void block_partials_of(const GroupPair<Acc>& t, Acc* items, Acc* items_hi, Acc* partial,
+                                                  const Geometry& g, Combine combine) {
   if constexpr (Straddle) {
-    block_group_partials_straddle(t.lo, t.hi, items, items_hi, partial, g, welford_combine);
+    block_group_partials_straddle(t.lo, t.hi, items, items_hi, partial, g, combine);
   } else {
-    block_group_partials(t.lo, items, partial, g, welford_combine);
+    block_group_partials(t.lo, items, partial, g, combine);
   }
+}
+
+// The moments of the thread's groups about k from the block's parts of their sums (block_partials_of's partial),
+// without a cluster: a one-group tile's total as a tree in every thread (block_total shuffles: every thread calls
+// it), else each active thread combines its own groups' parts (the same bits in every thread of a group), inactive
+// threads none.
+template <bool Straddle>
+__device__ __forceinline__ GroupPair<GroupMoments> block_moments(const float2* partial, const Geometry& g,
+                                                                 const BlockCoord& b, const GroupPair<float>& k,
+                                                                 float inv_count, bool one_group) {
+  ThreadSums totals{};
+  if (one_group) {
+    totals.lo = block_total(partial, add2);
+  } else if (b.active) {
+    totals = own_groups<Straddle>(g, b, [&](int i) { return group_total(partial, b.group_local + i, g, add2); });
+  }
+  GroupPair<GroupMoments> m;
+  m.lo = moments_of(k.lo, totals.lo, inv_count);
+  m.hi = Straddle ? moments_of(k.hi, totals.hi, inv_count) : m.lo;
+  return m;
 }
 
 // Whether the thread's vector holds the first channel of its group (lo) or of the next group (hi), in the block's
@@ -342,73 +444,146 @@ __device__ __forceinline__ bool rows_resident(const Geometry& g) {
   }
 }
 
+// The second pass (some group of the block or cluster has its reference outside its spread: rare) reads the rows
+// again (from L2: the block has just read them), and the kernel then loads its resident rows again too: the registers
+// holding them are free in its branch. Taking the sums from those registers kept them live across it, and ptxas
+// spilled the common path's rows to make room for its reductions (8-96 bytes in 68 instances).
+
+// The thread's rows, with the input terms where the kernel adds them.
+template <typename T, int V, int U, typename Offset>
+__device__ __forceinline__ void load_resident_rows(Pack<T, V> (&packs)[U], const T* x, const Geometry& g,
+                                                   const BlockCoord& b, int64_t rows, const Offset& offset) {
+  load_rows<T, V, U>(packs, x, g, b, 0, rows);
+  offset.add_to(packs);
+}
+
+// The thread's sums about k2 over its rows, read again from x.
+template <typename T, int V, bool Straddle, bool Offset>
+__device__ __forceinline__ ThreadSums sums_read_again(const ForwardArgs& a, const BlockCoord& b,
+                                                      const GroupPair<float>& k2) {
+  const Geometry& g = a.geo;
+  return streamed_sums<T, V, Straddle, kStreamUnroll>(static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0, g, b,
+                                                      thread_rows(g, b), RowOffset<T, V, Offset>(a, b), k2);
+}
+
+// Without a cluster: the moments of the thread's groups about k2 (block_moments of a second block reduction).
+template <typename T, int V, bool Straddle, bool Offset>
+__device__ __forceinline__ GroupPair<GroupMoments> block_moments_again(const ForwardArgs& a, const BlockCoord& b,
+                                                                       const GroupPair<float>& k2, float inv_count,
+                                                                       bool one_group, float2* items, float2* items_hi,
+                                                                       float2* partial) {
+  __syncthreads();  // every thread has read partial
+  block_partials_of<Straddle>(sums_read_again<T, V, Straddle, Offset>(a, b, k2), items, items_hi, partial, a.geo,
+                              add2);
+  return block_moments<Straddle>(partial, a.geo, b, k2, inv_count, one_group);
+}
+
+// In a cluster: every tile group's statistics again, about k2 = its first pass's reference + mean offset in
+// group_stats, the cluster's blocks in step (each calls this: their decision is made from the same bits). Called
+// after cluster_arrive; ends with another, as the first pass.
+template <typename T, int V, bool Straddle, bool Offset>
+__device__ __forceinline__ void cluster_stats_again(const ForwardArgs& a, const BlockCoord& b, float inv_count,
+                                                    float2* items, float2* items_hi, float2* partial,
+                                                    float2* block_sums, float4* group_stats) {
+  const Geometry& g = a.geo;
+  const int gl = threadIdx.x;
+  const bool finalises = gl < g.groups_per_tile;
+  const GroupPair<float> k2 = own_groups<Straddle>(g, b, [&](int i) {
+    const float4 s = group_stats[b.group_local + i];
+    return s.x + s.y;
+  });
+  const float k2_tile = finalises ? group_stats[gl].x + group_stats[gl].y : 0.f;
+  cluster_wait(g.cluster());  // the cluster's blocks have read this block's block_sums
+  block_partials_of<Straddle>(sums_read_again<T, V, Straddle, Offset>(a, b, k2), items, items_hi, partial, g, add2);
+  if (finalises) block_sums[gl] = group_total(partial, gl, g, add2);
+  cluster_sync(g.cluster());
+  if (finalises) {
+    const GroupMoments m = moments_of(k2_tile, cluster_reduce(&block_sums[gl], g.cluster(), add2), inv_count);
+    group_stats[gl] = group_stats_of(m, a, b.rank == 0, b.n * g.G + b.tile * g.groups_per_tile + gl);
+  }
+  cluster_arrive(g.cluster());
+  __syncthreads();
+}
+
 template <typename T, int V, Act A, bool Straddle, bool Offset, bool Streamed>
 __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kernel(const ForwardArgs a) {
   constexpr int kRows = resident_rows(Pass::kForward, V * sizeof(T), Straddle);
   constexpr int kBatch = Streamed ? kStatsBatch<T, V, Straddle> : kRows;
   const bool resident = rows_resident<T, V, Streamed>(a.geo);
-  __shared__ Welford items[kMaxThreads];
-  __shared__ Welford items_hi[Straddle ? kMaxThreads : 1];
-  __shared__ Welford partial[kMaxThreads];
-  __shared__ Welford block_stats[kMaxThreads];  // per tile group: read by the cluster's blocks
-  __shared__ float4 group_stats[kMaxThreads];   // per tile group, in a cluster: (reference, mean offset, rstd)
+  __shared__ float2 items[kMaxThreads];
+  __shared__ float2 items_hi[Straddle ? kMaxThreads : 1];
+  __shared__ float2 partial[kMaxThreads];
+  __shared__ float2 block_sums[kMaxThreads];   // per tile group: read by the cluster's blocks
+  __shared__ float4 group_stats[kMaxThreads];  // per tile group, in a cluster: (reference, mean offset, rstd)
   __shared__ float2 tile_affine[kMaxTileChannels];
+  __shared__ bool second_pass;  // in a cluster: some group's reference lies outside its spread
   const Geometry& g = a.geo;
   const BlockCoord b = block_coord<Straddle>(g);
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const int64_t rows = thread_rows(g, b);
   const RowOffset<T, V, Offset> offset(a, b);
+  const bool clustered = g.cluster() > 1;
 
   Pack<T, V> packs[kRows];  // resident rows
-  if (resident) {
-    load_rows<T, V, kRows>(packs, x, g, b, 0, rows);
-    offset.add_to(packs);
-  }
-  load_tile_affine<T>(a, b.n, b.tile, tile_affine);  // in flight with the rows; read after the barriers below
-  const ThreadStats t = resident ? resident_stats<T, V, Straddle, kRows>(packs, rows, b)
-                                 : streamed_thread_stats<T, V, Straddle, kBatch>(x, g, b, rows, offset);
-  block_partials_of<Straddle>(t, items, items_hi, partial, g);
+  if (resident) load_resident_rows(packs, x, g, b, rows, offset);
+  // The references of the thread's groups, in every thread (a padding thread's column is a valid one: without a
+  // cluster, every thread of a one-group tile takes the decision below); in a cluster, thread gl's of tile group gl,
+  // which it finalises. In flight with the rows, as the tile's affine maps (read after the barriers below).
+  const GroupPair<float> k =
+      own_groups<Straddle>(g, b, [&](int i) { return group_reference<T, Offset>(a, b.n, b.group + i); });
+  const int gl = threadIdx.x;
+  const bool finalises = clustered && gl < g.groups_per_tile;
+  const float k_tile = finalises ? group_reference<T, Offset>(a, b.n, b.tile * g.groups_per_tile + gl) : 0.f;
+  load_tile_affine<T>(a, b.n, b.tile, tile_affine);
+  const float inv_count = __fdividef(1.f, (float)(g.S * g.D));  // S * D < 2^24 (clustered): exact as a float
+  if (threadIdx.x == 0) second_pass = false;  // published by block_partials_of's barrier
+  block_partials_of<Straddle>(resident ? packs_sums<T, V, Straddle, kRows>(packs, (int)rows, b, k)
+                                       : streamed_sums<T, V, Straddle, kBatch>(x, g, b, rows, offset, k),
+                              items, items_hi, partial, g, add2);
   // (reference, mean offset, rstd) of the thread's group (lo) and, straddling, of the next (hi). The first block of
   // a group's rows writes its mean and rstd.
   GroupPair<float4> stats{};
-  if (g.cluster() > 1) {
-    // The blocks' group totals go to block_stats; thread gl combines the cluster's of group gl and finalises them
-    // for the block. (Every thread reading its own group's through distributed shared memory, without the barrier
+  if (clustered) {
+    // The blocks' group sums go to block_sums; thread gl adds up the cluster's of group gl and finalises them for
+    // the block. (Every thread reading its own group's through distributed shared memory, without the barrier
     // after it, made the clustered shapes up to 75% slower on the H200, and every thread finalising its group's
     // statistics itself 2-3% slower where rows stream: benchmarks/NOTES.md, sessions 17 and 18.)
-    if (threadIdx.x < g.groups_per_tile) {
-      block_stats[threadIdx.x] = group_total(partial, threadIdx.x, g, welford_combine);
-    }
+    const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + gl;
+    if (finalises) block_sums[gl] = group_total(partial, gl, g, add2);
     cluster_sync(g.cluster());
-    if (threadIdx.x < g.groups_per_tile) {
-      const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + threadIdx.x;
-      const Welford total = cluster_reduce(&block_stats[threadIdx.x], g.cluster(), welford_combine);
-      group_stats[threadIdx.x] = group_stats_of(total, a, b.rank == 0, group);
+    if (finalises) {
+      const GroupMoments m = moments_of(k_tile, cluster_reduce(&block_sums[gl], g.cluster(), add2), inv_count);
+      const bool exact = reference_within_spread(m);
+      if (!exact) second_pass = true;
+      group_stats[gl] = group_stats_of(m, a, b.rank == 0 && exact, group);
     }
     cluster_arrive(g.cluster());
     __syncthreads();
+    if (second_pass) {  // in every block of the cluster alike: their sums are the same bits
+      cluster_stats_again<T, V, Straddle, Offset>(a, b, inv_count, items, items_hi, partial, block_sums, group_stats);
+      if (resident) load_resident_rows(packs, x, g, b, rows, offset);
+    }
     if (b.active) stats = own_groups<Straddle>(g, b, [&](int i) { return group_stats[b.group_local + i]; });
   } else {
-    // Each thread combines its own group's parts (the same bits in every thread of the group) and finalises them:
-    // no barrier after; the thread holding the group's first channel in the block's first row writes them. A tile
-    // of one group combines them as a tree (block_total): on an H100 (fp16, two runs each) (2, 2560, 8, 8) 4.58-4.61
-    // -> 4.26-4.31 us, (2, 1280, 16, 16) 4.99-5.14 -> 4.85-4.88, (2, 1280, 8, 8) 3.92-4.12 -> 3.90-3.96
-    // (benchmarks/NOTES.md, session 26).
-    ThreadStats totals{};
-    if (!Straddle && g.groups_per_tile == 1) {
-      totals.lo = block_total(partial, welford_combine);  // in every thread, active or not: it shuffles
-    } else if (b.active) {
-      totals = own_groups<Straddle>(
-          g, b, [&](int i) { return group_total(partial, b.group_local + i, g, welford_combine); });
+    // Each thread finalises its own groups' statistics: no barrier after; the thread holding the group's first
+    // channel in the block's first row writes them. A tile of one group combines them as a tree (block_total): on
+    // an H100 (fp16, two runs each) (2, 2560, 8, 8) 4.58-4.61 -> 4.26-4.31 us, (2, 1280, 16, 16) 4.99-5.14 ->
+    // 4.85-4.88, (2, 1280, 8, 8) 3.92-4.12 -> 3.90-3.96 (benchmarks/NOTES.md, session 26).
+    const bool one_group = !Straddle && g.groups_per_tile == 1;
+    GroupPair<GroupMoments> m = block_moments<Straddle>(partial, g, b, k, inv_count, one_group);
+    // The second pass is the block's decision: a one-group tile's moments are the same bits in every thread, other
+    // tiles' threads vote.
+    const bool exact = reference_within_spread(m.lo) && reference_within_spread(m.hi);
+    if (one_group ? !exact : __syncthreads_or(!exact)) {
+      m = block_moments_again<T, V, Straddle, Offset>(a, b, {m.lo.ref + m.lo.mean, m.hi.ref + m.hi.mean}, inv_count,
+                                                      one_group, items, items_hi, partial);
+      if (resident) load_resident_rows(packs, x, g, b, rows, offset);
     }
     if (b.active) {
       const GroupWriter writes = group_writer<Straddle>(g, b);
       const int64_t group = b.n * g.G + b.group;
-      auto finalise = [&](const Welford& total, bool writer, int64_t ng) {
-        return group_stats_of(total, a, writer, ng);
-      };
-      stats.lo = finalise(totals.lo, writes.lo, group);
-      stats.hi = Straddle ? finalise(totals.hi, writes.hi, group + 1) : stats.lo;
+      stats.lo = group_stats_of(m.lo, a, writes.lo, group);
+      stats.hi = Straddle ? group_stats_of(m.hi, a, writes.hi, group + 1) : stats.lo;
     }
   }
 
@@ -439,7 +614,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel
   const RowOffset<T, V, Offset> offset(a, b);
   block_partials_of<Straddle>(
       streamed_thread_stats<T, V, Straddle, kStatsBatch<T, V, Straddle>>(x, g, b, thread_rows(g, b), offset), items,
-      items_hi, partial, g);
+      items_hi, partial, g, welford_combine);
   if (threadIdx.x < g.groups_per_tile) {
     const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;
     reinterpret_cast<Welford*>(a.partials)[(b.n * g.splits + b.rank) * g.G + group] =

@@ -495,6 +495,27 @@ def test_outlier_statistics(case, dtype, value, position):
     assert_close(mean, xg.mean(-1), atol=1e-5, rtol=1e-5, what="mean")
 
 
+@pytest.mark.parametrize("distance", [3.0, 6.0, 1e4], ids=["3sd", "6sd", "1e4sd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["sd_mid", "sd_resnet", "sd_resnet_large", "many_images_streaming", "group_size_3",
+                                  "straddling_10", "single_group"])
+def test_group_first_elements_far_from_their_means(case, dtype, distance):
+    """Every group's first element (its first channel in the first row: the clustered forward's reference for its
+    sums) `distance` standard deviations above the rest's mean, in every image: on both sides of the 4 standard
+    deviations beyond which the forward takes its sums a second time, and far beyond. mean and rstd within 1e-5 and
+    1e-4 of float64, y within the dtype's tolerance."""
+    shape, groups = CASES[case]
+    x = random_input(shape, dtype, "cuda", scale=1.0)
+    size = shape[1] // groups
+    x[(slice(None), slice(0, shape[1], size)) + (0,) * (len(shape) - 2)] = 1.0 + distance
+    poisoned(x)
+    y, mean, rstd = OP(x, None, None, None, None, groups, 1e-5, "identity")
+    xg = x.double().reshape(shape[0], groups, -1)
+    assert_close(rstd, torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5), atol=0, rtol=1e-4, what="rstd")
+    assert_close(mean, xg.mean(-1), atol=1e-5, rtol=1e-5, what="mean")
+    assert_close(y, reference(x, groups, None, None, 1e-5, "identity"), **TOLERANCES[dtype], what="y")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered", "straddling_60"])
 def test_straddling_vectors_keep_groups_apart(case, dtype):

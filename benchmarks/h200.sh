@@ -59,12 +59,13 @@ for step in "$@"; do
     sanitizer)
       # The small shapes of every geometry (one block, clusters, many groups per tile, scalar accesses, ranks 2-5,
       # straddling vectors), with and without the input terms (offset and bias together, unaligned, under autograd),
-      # the frames_last rows of 5-D ones, and the residual sum's kernel (bias_residual_add) at every vector width.
+      # the frames_last rows of 5-D ones, the forward's second pass (groups whose first element lies far from their
+      # mean), and the residual sum's kernel (bias_residual_add) at every vector width.
       timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
         python3 -m pytest tests/test_ops_cuda.py -q -p no:cacheprovider -k "((test_forward_shapes or \
         test_backward_shapes or test_unaligned_pointer or test_per_sample_scale_shift or \
         test_straddling_vectors_keep_groups_apart or (test_input_offset and (both or unaligned or gradients)) \
-        or test_frames_last_writes) \
+        or test_frames_last_writes or test_group_first_elements_far_from_their_means) \
         and (sd_resnet- or sd_mid or group_size or single_group- or hw_1 or rank or rows_not_multiple \
         or odd_channels or straddling_10 or one_frame or one_position)) \
         or test_bias_residual_add_is_pytorchs_two_adds or test_bias_residual_add_other_layouts" \

@@ -305,12 +305,13 @@ __device__ __forceinline__ GroupMoments moments_of(float k, float2 sums, float i
   return GroupMoments{k, mean, fmaf(-mean, mean, sums.y * inv_count)};
 }
 
-// The variance from sums about k is var = E[(x - k)^2] - (mean - k)^2: exact to a few float32 roundings of
-// E[(x - k)^2] = var * (1 + t^2), t the distance of k from the mean in standard deviations. Where k lies within
-// kMaxReferenceSpread of them (t <= 4: the relative error stays below 1e-5, with the sums' own roundings), it is
-// kept; otherwise (k an outlier of its group, or NaN or inf in the group) the kernel takes the sums a second time,
-// about k + mean, a reference within float32 rounding of the mean. For normally distributed data the first element
-// lies beyond 4 standard deviations of its group's mean once in 16,000 groups.
+// The variance from sums about k is var = E[(x - k)^2] - (mean - k)^2: its error is the sums' own relative
+// rounding times E[(x - k)^2] = var * (1 + t^2), t the distance of k from the mean in standard deviations. Where k
+// lies within kMaxReferenceSpread of them (t <= 4: at most 17 times that rounding), it is kept; otherwise (k an
+// outlier of its group, or NaN or inf among its elements, which make var NaN) the kernel takes the sums a second
+// time, about k + mean, a reference within float32 rounding of the mean. For normally distributed data the first
+// element lies beyond 4 standard deviations of its group's mean once in 16,000 groups. (Finite data spread beyond
+// ~1e19 overflows the squares to a var of inf, which passes: rstd 0, as the Welford statistics before overflowed.)
 constexpr float kMaxReferenceSpread = 4.f;
 
 __device__ __forceinline__ bool reference_within_spread(const GroupMoments& m) {
@@ -535,7 +536,8 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
   const bool finalises = clustered && gl < g.groups_per_tile;
   const float k_tile = finalises ? group_reference<T, Offset>(a, b.n, b.tile * g.groups_per_tile + gl) : 0.f;
   load_tile_affine<T>(a, b.n, b.tile, tile_affine);
-  const float inv_count = __fdividef(1.f, (float)(g.S * g.D));  // S * D < 2^24 (clustered): exact as a float
+  // S * D < 2^24 (clustered): the count is exact as a float; its reciprocal within 2 ulp, the same in every thread.
+  const float inv_count = __fdividef(1.f, (float)(g.S * g.D));
   if (threadIdx.x == 0) second_pass = false;  // published by block_partials_of's barrier
   block_partials_of<Straddle>(resident ? packs_sums<T, V, Straddle, kRows>(packs, (int)rows, b, k)
                                        : streamed_sums<T, V, Straddle, kBatch>(x, g, b, rows, offset, k),

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gn_patch.bench import cli, peers, peers_table
+from gn_patch.bench import cli, peers, peers_table, report
 from gn_patch.bench.peers_table import PeerMeasurement
 
 PROVENANCE = {"commit": "abc123", "gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00+00:00"}
@@ -41,6 +41,15 @@ def test_best_peer_is_the_fastest_correct_candidate_torch_included():
                 "commit"}
     assert required <= row.keys()
     json.dumps(row, allow_nan=False)
+
+
+def test_a_peers_only_summary_names_torch_and_prints_no_none():
+    m = measured(gn_patch_fwd=10.0, gn_patch_fwd_bwd=30.0, torch_fwd=25.0, torch_fwd_bwd=50.0)
+    row = peers_table.peer_row((2, 1280, 8, 8), "float16", "graph", m,
+                               {**PROVENANCE, "torch_version": "2.11.0+cu130", "triton": "3.6.0"})
+    header = report.render_summary(None, None, None, [row]).split("## ")[0]
+    assert "commit abc123, torch 2.11.0+cu130, triton 3.6.0" in header
+    assert "None" not in header and "``" not in header
 
 
 def test_no_candidate_leaves_best_peer_empty():

@@ -164,9 +164,13 @@ def render_summary(kernels: dict | None, e2e: dict | None, cpu: dict | None, pee
     peers.json as its list of rows); the header's provenance is the first document's (or peers' first row)."""
     docs = [d["metadata"] for d in (kernels, e2e, cpu) if d] + (peers or [])[:1]
     meta = docs[0] if docs else {}
+    # peers.json's rows name torch's version torch_version (the issue's row format); a peers-only run records no
+    # diffusers, quick or command, so those are left out rather than printed as None.
+    provenance_of = {**meta, "torch": meta.get("torch", meta.get("torch_version"))}
     header = ["# gn_patch benchmark" + (f": {meta['gpu']}" if meta.get("gpu") else ""), "",
-              ", ".join(f"{k} {meta.get(k)}" for k in ("commit", "torch", "cuda", "diffusers", "triton", "date",
-                                                     "quick")), "", f"`{meta.get('command', '')}`", ""]
+              ", ".join(f"{k} {provenance_of[k]}" for k in ("commit", "torch", "cuda", "diffusers", "triton", "date",
+                                                          "quick") if provenance_of.get(k) is not None), ""]
+    header += [f"`{meta['command']}`", ""] if meta.get("command") else []
     sections = [render(doc) for render, doc in ((render_kernels, kernels), (render_e2e, e2e), (render_cpu, cpu),
                                                 (render_peers, peers)) if doc]
     return "\n".join(header + sections)

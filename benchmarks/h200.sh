@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the H200, for one device call: `bash benchmarks/h200.sh STEP...` with steps
 #   build      compile the extension (into .build/, kept while the machine stays warm)
-#   tests      GPU test suite -> $OUT/gpu_tests.json (+ JUnit XML and log)
+#   tests      GPU test suite -> $OUT/gpu_tests.json (+ JUnit XML and log; the `alone` tests' apart)
 #   sanitizer  the small-shape GPU tests under compute-sanitizer memcheck -> $OUT/sanitizer.log
 #   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick; BENCH_OUT resumes)
 #   peers      python -m gn_patch.bench --only peers --peers .peers into $OUT/bench (BENCH_OUT as for bench): gn_patch
@@ -51,11 +51,18 @@ for step in "$@"; do
     build) python3 -m gn_patch.build 2>&1 | tail -5 || status=1 ;;
     tests)
       # Four workers share the GPU (most tests are short and host-bound); TEST_TIMEOUT bounds the step with an
-      # interrupt, after which pytest still writes the JUnit XML of the tests that ran.
-      timeout -s INT -k 30 "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m gpu -q -n "${TEST_WORKERS:-4}" --maxfail=50 --durations=20 \
-        -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+      # interrupt, after which pytest still writes the JUnit XML of the tests that ran. The `alone` tests (captures
+      # through the autograd engine) run after, in one process: beside other workers' large tests an allocation
+      # inside their capture can fail, and the caching allocator's retry (freeing its cache) breaks the capture.
+      timeout -s INT -k 30 "${TEST_TIMEOUT:-480}" python3 -m pytest tests -m "gpu and not alone" -q \
+        -n "${TEST_WORKERS:-4}" --maxfail=50 --durations=20 -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
+        > "$OUT/gpu_tests.log" 2>&1
       tail -15 "$OUT/gpu_tests.log"
-      python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" || status=1 ;;
+      timeout -s INT -k 30 "${ALONE_TIMEOUT:-120}" python3 -m pytest tests -m "gpu and alone" -q -p no:cacheprovider \
+        --junitxml="$OUT/gpu_tests_alone.xml" > "$OUT/gpu_tests_alone.log" 2>&1
+      tail -3 "$OUT/gpu_tests_alone.log"
+      python3 benchmarks/gpu_tests_summary.py "$OUT/gpu_tests.xml" "$OUT/gpu_tests_alone.xml" "$OUT/gpu_tests.json" \
+        || status=1 ;;
     sanitizer)
       # The small shapes of every geometry (one block, clusters, many groups per tile, scalar accesses, ranks 2-5,
       # straddling vectors), with and without the input terms (offset and bias together, unaligned, under autograd),

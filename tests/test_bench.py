@@ -445,6 +445,15 @@ def test_gpu_tests_summary_counts_outcomes_and_keeps_the_run_date(tmp_path):
     assert result["failures"] == ["tests.test_a::test_fails", "tests.test_a::test_errs"]
     assert result["date"] == "2026-12-02T18:00:00.000001+00:00"
     assert result["duration_s"] == 12.5
+    alone = tmp_path / "alone.xml"  # h200.sh's run of the `alone` tests after the parallel one
+    alone.write_text('<testsuites><testsuite name="pytest" time="2.5" timestamp="2026-12-02T18:05:00+00:00">'
+                     '<testcase classname="tests.test_b" name="test_capture" time="1"><failure message="x"/>'
+                     '</testcase><testcase classname="tests.test_b" name="test_other" time="1"/></testsuite>'
+                     '</testsuites>')
+    both = module.summarize(str(report), str(alone))
+    assert (both["passed"], both["failed"], both["errors"], both["skipped"]) == (2, 2, 1, 1)
+    assert both["failures"][-1] == "tests.test_b::test_capture"
+    assert both["date"] == result["date"] and both["duration_s"] == 15.0
 
 
 # ------------------------------------------------------------------------------------------------

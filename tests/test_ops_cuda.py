@@ -854,6 +854,7 @@ def chained_calls(x, w, b, gy, groups, sync):
     return outputs + [dy]
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("case", ["sd_mid", "sd_resnet_large", "many_images_streaming", "vae_streaming"])
 def test_back_to_back_calls_replayed_as_one_at_a_time(case):
     """Calls back to back, each reading what the call before wrote, replayed from a CUDA graph, give bitwise what
@@ -887,6 +888,7 @@ def training_step(module, x, gy):
     return y
 
 
+@pytest.mark.alone  # failed at vae_streaming beside 7 workers of the suite, passed alone (NOTES 35 item 3, 36)
 @pytest.mark.parametrize("capture", ["graphed_callable", "whole_step"])
 @pytest.mark.parametrize("case", ["sd_mid", "sd_resnet_large", "many_images_streaming", "vae_streaming"])
 def test_captured_training_step_matches_eager(case, capture):

@@ -3,6 +3,7 @@
 #   build      compile the extension (into .build/, kept while the machine stays warm)
 #   tests      GPU test suite -> $OUT/gpu_tests.json (+ JUnit XML and log; the `alone` tests' apart)
 #   sanitizer  the small-shape GPU tests under compute-sanitizer memcheck -> $OUT/sanitizer.log
+#   racecheck  compute-sanitizer racecheck and synccheck over 78 small-shape tests -> $OUT/racecheck.log, synccheck.log
 #   bench      python -m gn_patch.bench into $OUT/bench   (BENCH_ARGS adds flags, e.g. --quick; BENCH_OUT resumes)
 #   peers      python -m gn_patch.bench --only peers --peers .peers into $OUT/bench (BENCH_OUT as for bench): gn_patch
 #              against the peer kernels of .peers/ (a copy of ../shared/peers, carried), builds cached in .build/peers
@@ -78,6 +79,17 @@ for step in "$@"; do
         or test_bias_residual_add_is_pytorchs_two_adds or test_bias_residual_add_other_layouts" \
         > "$OUT/sanitizer.log" 2>&1
       tail -6 "$OUT/sanitizer.log" ;;
+    racecheck)
+      # Shared-memory hazards (racecheck) and barrier misuse (synccheck) in the forward's and backward's block and
+      # cluster reductions and the forward's second pass, at shapes of one block per group, clusters, a single
+      # group and straddling vectors (racecheck runs ~100x slower than the kernels: a narrower set than memcheck's).
+      racecheck_tests="(test_forward_shapes or test_backward_shapes or test_group_first_elements_far_from_their_means) \
+        and (sd_mid or sd_resnet- or single_group- or straddling_10)"
+      for tool in racecheck synccheck; do
+        timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest \
+          tests/test_ops_cuda.py -q -p no:cacheprovider -k "$racecheck_tests" > "$OUT/$tool.log" 2>&1
+        tail -3 "$OUT/$tool.log"
+      done ;;
     bench)
       # BENCH_OUT: a folder of the tree (carried to the machine) holding an earlier call's results, which the
       # sections and --e2e-groups of this call add to; the whole folder comes back in $OUT/bench.

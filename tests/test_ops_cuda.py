@@ -518,6 +518,35 @@ def test_group_first_elements_far_from_their_means(case, dtype, distance):
     assert_close(y, reference(x, groups, None, None, 1e-5, "identity"), **TOLERANCES[dtype], what="y")
 
 
+@pytest.mark.parametrize("distance", [3.0, 6.0, 1e4], ids=["3sd", "6sd", "1e4sd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["sd_mid", "sd_resnet", "sd_resnet_large", "many_images_streaming", "group_size_3",
+                                  "straddling_10", "single_group"])
+def test_group_first_elements_far_from_their_means_with_terms(case, dtype, distance):
+    """The test above with an input offset and bias, which SiLU's kernels add as they load x (the reference
+    element's too), and only the even groups' first sums moved `distance` standard deviations out, so that a tile
+    of several groups holds groups that take the second pass and groups that do not: bitwise the op on the sums
+    (x + bias) + offset, their mean and rstd within 1e-5 and 1e-4 of float64, y within the dtype's tolerance."""
+    shape, groups = CASES[case]
+    x = random_input(shape, dtype, "cuda", scale=1.0)
+    offset, bias = sample_offset(x), channel_bias(x)
+    size = shape[1] // groups
+    first = (slice(None), slice(0, shape[1], size)) + (0,) * (len(shape) - 2)  # (N, G): each group's first element
+    sums = with_terms(x, offset, bias).double().reshape(shape[0], groups, -1)
+    target = sums.mean(-1) + distance * sums.std(-1)
+    moved = (target - bias[::size].double() - offset[:, ::size].double()).to(dtype)
+    x[first] = torch.where(torch.arange(groups, device="cuda") % 2 == 0, moved, x[first])
+    summed = with_terms(x, offset, bias)
+    w, b = affine(shape[1], dtype)
+    poisoned(x)
+    y, mean, rstd = OP(x, w, b, None, None, groups, 1e-5, "silu", offset, bias)
+    for name, got, want in zip(("y", "mean", "rstd"), (y, mean, rstd),
+                               OP(summed, w, b, None, None, groups, 1e-5, "silu")):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name}: not the op on the sums")
+    assert_group_statistics(summed, groups, mean, rstd)
+    assert_close(y, reference(summed, groups, w, b, 1e-5, "silu"), **TOLERANCES[dtype], what="y")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["straddling_10", "straddling_30", "straddling_unclustered", "straddling_60"])
 def test_straddling_vectors_keep_groups_apart(case, dtype):

@@ -23,6 +23,7 @@ class GroupNormAct(nn.GroupNorm):
         affine: learnable per-channel weight (init 1) and bias (init 0).
         activation: ``silu`` (alias ``swish``), ``gelu``, ``gelu_tanh``, ``relu``, ``mish`` or ``identity``
             (case-insensitive; also None). Assigning ``module.activation`` later takes the same names.
+        bias: keyword-only, as torch.nn.GroupNorm's: False leaves the affine map without its bias (None).
 
     num_groups may also be a numpy integer or a one-element integer tensor, eps a numpy float or a one-element real
     tensor, as torch.nn.GroupNorm takes them: they are stored as a Python int and float.
@@ -44,9 +45,11 @@ class GroupNormAct(nn.GroupNorm):
     """
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 activation: str | None = "silu", device=None, dtype=None) -> None:
+                 activation: str | None = "silu", device=None, dtype=None, *, bias: bool = True) -> None:
         num_groups = check_num_groups(num_groups)  # before nn.GroupNorm's own check, which divides by it
-        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype)
+        # bias=False only where given: torch.nn.GroupNorm takes it from torch 2.13 (older versions raise TypeError).
+        super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype,
+                         **({} if bias else {"bias": False}))
         self.activation = activation
 
     @classmethod

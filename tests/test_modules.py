@@ -67,6 +67,18 @@ def test_from_group_norm_of_another_norm():
         gn_patch.GroupNormAct.from_group_norm(torch.nn.BatchNorm2d(32))
 
 
+def test_bias_false_as_torch_group_norm():
+    """bias=False (keyword-only, as torch.nn.GroupNorm's): no bias parameter, the same state_dict keys and values
+    as nn.GroupNorm's, and its output activated."""
+    module = gn_patch.GroupNormAct(2, 4, bias=False)
+    stock = torch.nn.GroupNorm(2, 4, bias=False)
+    assert module.bias is None and module.state_dict().keys() == stock.state_dict().keys() == {"weight"}
+    x = torch.randn(2, 4, 3, 3)
+    torch.testing.assert_close(module(x), F.silu(stock(x)), rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        gn_patch.GroupNormAct(2, 4, 1e-5, True, "silu", None, None, False)  # keyword-only, as nn.GroupNorm's
+
+
 def test_activation_name_is_case_insensitive():
     assert gn_patch.GroupNormAct(2, 8, activation="SiLU").activation == "silu"
     assert gn_patch.GroupNormAct.from_group_norm(torch.nn.GroupNorm(2, 8), "GELU").activation == "gelu"

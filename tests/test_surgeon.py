@@ -24,6 +24,7 @@ from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
 from diffusers.models.unets.unet_motion_model import AnimateDiffTransformer3D
 from diffusers.models.upsampling import Upsample2D
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gn_patch import GroupNormAct, configs, extension, rules, surgeon
@@ -514,6 +515,10 @@ def test_unsupported_nonlinearity_runs_the_norms_alone():
     assert report.patched == [] and report.skipped == [] and [name for name, _ in report.alone] == ["norm1", "norm2"]
     assert all("Tanh" in reason for _, reason in report.alone)
     assert type(patched.norm1) is rules.base.StockLayoutGroupNorm and patched.norm1.activation == "identity"
+    # Named GroupNormAct, it takes GroupNormAct's arguments: frames_last gives a 5-D input's (N, H, W, F, C) order.
+    x = randn(2, block.norm1.num_channels, 3, 4, 4)
+    y = patched.norm1(x, frames_last=True)
+    assert y.permute(0, 3, 4, 2, 1).is_contiguous() and torch.equal(y, patched.norm1(x))
 
 
 def test_temporal_resnet_block_5d():
@@ -1030,6 +1035,23 @@ def test_conditional_norms_and_an_unknown_use():
     text = str(report)
     assert "patched 6 GroupNorm(s), 1 run alone" in text and "the surgeon does not know" in text
     assert unpatch_model(patched) == 7 and module_types(patched) == module_types(model)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 3, 3), (2, 2, 3)], ids=["5d", "3d"])
+def test_ada_group_norm_of_other_ranks_is_stocks(shape):
+    """AdaGroupNorm's (N, C, 1, 1) scale and shift broadcast against a 3-D or 5-D input's trailing dims (N = C = 2
+    here lines them up with (C, frames) or makes the output 4-D), not per (image, channel): patched, those inputs
+    get stock's values, with the activation fused into the norm applied after; shapes stock cannot broadcast
+    raise as in stock."""
+    norm = AdaGroupNorm(6, 2, num_groups=1)
+    x, emb = randn(*shape), randn(2, 6, seed=1)
+    want = norm(x, emb)
+    patch_model(norm)
+    torch.testing.assert_close(norm(x, emb), want, rtol=0, atol=0)
+    norm.activation = "silu"  # as the surgeon sets it where a block's activation follows
+    torch.testing.assert_close(norm(x, emb), F.silu(want), rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        norm(randn(2, 2, 4, 3, 3), emb)  # (N, C, 1, 1) against (C, 4, 3, 3): stock raises too
 
 
 def test_conditional_norms_take_one_embedding_for_the_batch(host_path):
@@ -1585,6 +1607,40 @@ def test_group_norm_with_settings_groupnormact_rejects_stays_stock(eps):
         assert [name for name, _ in report.skipped] == ["0"]
         assert "GroupNormAct does not take its settings" in report.skipped[0][1]
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+def _eps_buffer(norm):
+    del norm.eps
+    norm.register_buffer("eps", torch.tensor(1e-5))
+    return lambda: "eps" in norm._buffers
+
+
+def _activation_submodule(norm):
+    norm.activation = nn.Tanh()
+    return lambda: isinstance(norm.activation, nn.Tanh)
+
+
+def _activation_attribute(norm):
+    norm.activation = "the user's"
+    return lambda: norm.activation == "the user's"
+
+
+@pytest.mark.parametrize("change", [_eps_buffer, _activation_submodule, _activation_attribute],
+                         ids=["eps_buffer", "activation_submodule", "activation_attribute"])
+def test_group_norm_whose_state_groupnormact_would_overwrite_stays_stock(change):
+    """An eps registered as a buffer (which takes no float) or a submodule or attribute named activation (which
+    GroupNormAct's own state would overwrite, and unpatch_model delete): the surgeon leaves the norm as it is, in
+    working order, fused or alone, and says why; before, the class was switched and the patch failed halfway."""
+    for model in (nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU()), nn.Sequential(nn.GroupNorm(2, 8))):
+        kept = change(model[0])
+        x = torch.randn(2, 8, 4, 4)
+        expected = model(x)
+        report = patch_model(model)
+        assert type(model[0]) is nn.GroupNorm and [name for name, _ in report.skipped] == ["0"]
+        assert "GroupNormAct cannot take this GroupNorm" in report.skipped[0][1]
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        unpatch_model(model)
+        assert kept()
 
 
 def test_tensor_eps_becomes_a_float_when_patched():

@@ -219,12 +219,14 @@ class StockLayoutGroupNorm(FusedGroupNorm):
     """The GroupNorm swap for a GroupNorm whose consumer the surgeon does not know: the identity GroupNormAct, its
     CUDA output given the layout PyTorch's CUDA GroupNorm returns (contiguous), so that whatever reads it (a
     ``.view`` included) sees what it saw before. Elsewhere (CPU, ...) GroupNormAct already returns PyTorch's result.
+    ``frames_last=True``, a layout asked for, is GroupNormAct's.
     """
 
     def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = super().forward(x, scale, shift, input_offset, input_bias)
-        return y.contiguous() if y.is_cuda else y
+                input_offset: torch.Tensor | None = None, input_bias: torch.Tensor | None = None,
+                frames_last: bool = False) -> torch.Tensor:
+        y = super().forward(x, scale, shift, input_offset, input_bias, frames_last)
+        return y.contiguous() if y.is_cuda and not frames_last else y
 
 
 StockLayoutGroupNorm.__name__ = GroupNormAct.__name__
@@ -258,7 +260,16 @@ def fuse_norm(norm: nn.GroupNorm, activation: str, cls: type = FusedGroupNorm) -
 
 def settings_problem(norm: nn.GroupNorm) -> str | None:
     """Why ``norm``'s num_groups or eps are not what GroupNormAct takes (nn.GroupNorm accepts a negative eps, or a
-    bool; the switched class would raise at its next call): the GroupNorm then stays as it is. None when they are."""
+    bool; the switched class would raise at its next call), or why GroupNormAct's own state cannot be set on it (an
+    eps registered as a buffer or parameter, which takes no float; a submodule, tensor or attribute named
+    ``activation``, which fuse_norm would overwrite and unpatch_model delete): the GroupNorm then stays as it is.
+    None when they are."""
+    for name in ("eps", "activation"):
+        for registry in ("_parameters", "_buffers", "_modules"):
+            if name in norm.__dict__.get(registry, {}):
+                return f"GroupNormAct cannot take this GroupNorm's {name}: it is one of its {registry[1:]}"
+    if "activation" in norm.__dict__:
+        return "GroupNormAct cannot take this GroupNorm: it has an attribute named activation, which is GroupNormAct's"
     try:
         check_num_groups(norm.num_groups)
         check_eps(norm.eps)

@@ -8,7 +8,7 @@ from diffusers.models.normalization import AdaGroupNorm
 from diffusers.models.resnet import Conv1dBlock, ResnetBlock2D, ResnetBlockCondNorm2D, TemporalResnetBlock
 
 from .. import extension
-from ..ops import _group_norm_act
+from ..ops import ACTIVATIONS, _group_norm_act
 from .base import Surgery, rule, runs_forward_only, stands_in_for, verified
 from .fusion import ACTIVATION_NORMS, fused_norm_alone, fusion, pairs, unscaled
 
@@ -166,6 +166,11 @@ class _FusedAdaGroupNorm(AdaGroupNorm):
     activation run as one gn_patch op."""
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4:
+            # Stock's (N, C, 1, 1) scale and shift broadcast against other ranks' trailing dims, not per (image,
+            # channel) as the op applies them: those inputs take stock's arithmetic (or its error), then the
+            # activation fused into this norm.
+            return ACTIVATIONS[self.activation](super().forward(x, emb))
         # diffusers 0.42.1 AdaGroupNorm.forward; F.group_norm and `x * (1 + scale) + shift` become one call.
         if self.act:
             emb = self.act(emb)

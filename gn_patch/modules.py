@@ -47,7 +47,8 @@ class GroupNormAct(nn.GroupNorm):
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
                  activation: str | None = "silu", device=None, dtype=None, *, bias: bool = True) -> None:
         num_groups = check_num_groups(num_groups)  # before nn.GroupNorm's own check, which divides by it
-        # bias=False only where given: torch.nn.GroupNorm takes it from torch 2.13 (older versions raise TypeError).
+        # bias=False only where given: torch.nn.GroupNorm takes it in torch 2.13 and 2.14; a torch without it raises
+        # TypeError for bias=False, as its nn.GroupNorm does.
         super().__init__(num_groups, num_channels, eps=eps, affine=affine, device=device, dtype=dtype,
                          **({} if bias else {"bias": False}))
         self.activation = activation

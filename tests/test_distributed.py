@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,11 +99,52 @@ def run_training(args: list[str], out: Path, processes: int) -> dict:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
                      str(free_port())]
     # ACCELERATE_USE_CPU: accelerate sets up multi-process CPU training (gloo) only when told to use the CPU.
-    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: every process of the run prints its threads' Python stacks on SIGABRT, which a run that
+    # outlasts its time gets: the run has hung twice after its training had finished (README), and the stacks say
+    # where.
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     command = [*launcher, str(TRAIN_SCRIPT), *args, "--output-dir", str(out), "--log-json", str(out / "log.json")]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
+        try:
+            _, stderr = run.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            stderr = stop_with_stacks(run)
+            pytest.fail(f"the training run did not end within 300 s; its processes' stacks:\n{stderr[-12000:]}")
+    assert run.returncode == 0, stderr[-4000:]
     return json.loads((out / "log.json").read_text())
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux /proc): torchrun starts each worker in a session of its own, so a signal
+    to torchrun's process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue  # ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree = [pid]
+    for parent in tree:
+        tree += children.get(parent, [])
+    return tree
+
+
+def stop_with_stacks(run: subprocess.Popen) -> str:
+    """Abort every process of ``run`` (each prints its Python stacks, PYTHONFAULTHANDLER), then kill what is left;
+    returns the run's stderr."""
+    tree = process_tree(run.pid)
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            return run.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            continue  # a process that survived its abort
+    return run.communicate()[1]
 
 
 def test_training_script_on_two_processes_matches_one(tmp_path):

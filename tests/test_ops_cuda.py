@@ -499,29 +499,37 @@ def test_outlier_statistics(case, dtype, value, position):
     assert_group_statistics(x, groups, mean, rstd)
 
 
-@pytest.mark.parametrize("distance", [3.0, 6.0, 1e4], ids=["3sd", "6sd", "1e4sd"])
+# The clustered forward's references (each group's first element) moved `distance` standard deviations out: on both
+# sides of the 4 beyond which it takes its sums a second time, and far beyond; one-block, clustered, streamed,
+# many-group, straddling and single-group geometries.
+FAR_DISTANCES = pytest.mark.parametrize("distance", [3.0, 6.0, 1e4], ids=["3sd", "6sd", "1e4sd"])
+FAR_CASES = pytest.mark.parametrize("case", ["sd_mid", "sd_resnet", "sd_resnet_large", "many_images_streaming",
+                                             "group_size_3", "straddling_10", "single_group"])
+
+
+def group_first_elements(shape, groups):
+    """Index of each group's first element in every image (its first channel in the first row): (N, G) values."""
+    return (slice(None), slice(0, shape[1], shape[1] // groups)) + (0,) * (len(shape) - 2)
+
+
+@FAR_DISTANCES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("case", ["sd_mid", "sd_resnet", "sd_resnet_large", "many_images_streaming", "group_size_3",
-                                  "straddling_10", "single_group"])
+@FAR_CASES
 def test_group_first_elements_far_from_their_means(case, dtype, distance):
-    """Every group's first element (its first channel in the first row: the clustered forward's reference for its
-    sums) `distance` standard deviations above the rest's mean, in every image: on both sides of the 4 standard
-    deviations beyond which the forward takes its sums a second time, and far beyond. mean and rstd within 1e-5 and
-    1e-4 of float64, y within the dtype's tolerance."""
+    """Every group's first element `distance` standard deviations above the rest's mean, in every image: mean and
+    rstd within 1e-5 and 1e-4 of float64, y within the dtype's tolerance."""
     shape, groups = CASES[case]
     x = random_input(shape, dtype, "cuda", scale=1.0)
-    size = shape[1] // groups
-    x[(slice(None), slice(0, shape[1], size)) + (0,) * (len(shape) - 2)] = 1.0 + distance
+    x[group_first_elements(shape, groups)] = 1.0 + distance
     poisoned(x)
     y, mean, rstd = OP(x, None, None, None, None, groups, 1e-5, "identity")
     assert_group_statistics(x, groups, mean, rstd)
     assert_close(y, reference(x, groups, None, None, 1e-5, "identity"), **TOLERANCES[dtype], what="y")
 
 
-@pytest.mark.parametrize("distance", [3.0, 6.0, 1e4], ids=["3sd", "6sd", "1e4sd"])
+@FAR_DISTANCES
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["sd_mid", "sd_resnet", "sd_resnet_large", "many_images_streaming", "group_size_3",
-                                  "straddling_10", "single_group"])
+@FAR_CASES
 def test_group_first_elements_far_from_their_means_with_terms(case, dtype, distance):
     """The test above with an input offset and bias, which SiLU's kernels add as they load x (the reference
     element's too), and only the even groups' first sums moved `distance` standard deviations out, so that a tile
@@ -531,7 +539,7 @@ def test_group_first_elements_far_from_their_means_with_terms(case, dtype, dista
     x = random_input(shape, dtype, "cuda", scale=1.0)
     offset, bias = sample_offset(x), channel_bias(x)
     size = shape[1] // groups
-    first = (slice(None), slice(0, shape[1], size)) + (0,) * (len(shape) - 2)  # (N, G): each group's first element
+    first = group_first_elements(shape, groups)
     sums = with_terms(x, offset, bias).double().reshape(shape[0], groups, -1)
     target = sums.mean(-1) + distance * sums.std(-1)
     moved = (target - bias[::size].double() - offset[:, ::size].double()).to(dtype)

@@ -853,6 +853,38 @@ def test_unpatch_refuses_hooks_added_after_patching():
     assert unpatch_model(patched) > 0
 
 
+@pytest.mark.parametrize("attr,replacement", [("nonlinearity", lambda: nn.ReLU()),
+                                              ("norm1", lambda: nn.GroupNorm(8, 32)),
+                                              ("norm2", lambda: nn.GroupNorm(8, 32))])
+def test_replacing_a_fused_module_of_a_patched_block_raises(attr, replacement):
+    """The fused forward applies norm1's and norm2's activation in place of its dropped nonlinearity calls: a module
+    replaced there after patching would be skipped (a new activation after the norms) or left unactivated (a new
+    norm), wrong values without an error. The assignment raises and changes nothing; other attributes, and the same
+    module set again, are set as stock sets them; after unpatch_model the replacement takes, and a new patch_model
+    fuses it with stock's values."""
+    block = make_resnet()
+    run = run_resnet(block)
+    patched = copy.deepcopy(block)
+    patch_model(patched)
+    before = getattr(patched, attr)
+    with pytest.raises(RuntimeError, match=rf"ResnetBlock2D\.{attr} is fused .*unpatch_model"):
+        setattr(patched, attr, replacement())
+    assert getattr(patched, attr) is before
+    setattr(patched, attr, before)
+    patched.output_scale_factor = 1.0
+    with torch.no_grad():
+        assert_same_outputs(run(patched), run(block))
+    unpatch_model(patched)
+    new = replacement()
+    new.load_state_dict(before.state_dict())
+    setattr(patched, attr, new)
+    setattr(block, attr, copy.deepcopy(new))
+    patch_model(patched)
+    assert type(patched) is rules.fusion._FusedResnetBlock2D
+    with torch.no_grad():
+        assert_same_outputs(run(patched), run(block))
+
+
 class Double(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return 2 * weight

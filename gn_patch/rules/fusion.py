@@ -358,12 +358,34 @@ def _generate_forward(spec: Fusion) -> Callable:
     return forward
 
 
+def _replacement_guard(spec: Fusion) -> Callable[[nn.Module, str, object], None]:
+    """``__setattr__`` of ``spec``'s fused class: the edited forward applies each norm's fused activation (and its
+    modulation) in place of the calls it dropped, so a norm or activation module replaced on a patched instance
+    would leave it computing the old pair (a new ``nn.GroupNorm`` unactivated, a new activation skipped after the
+    norms): such an assignment raises instead. Other attributes are set as ``spec.cls`` sets them."""
+    guarded = frozenset(spec.norms) | {source.removeprefix("self.") for source in spec.activations.values()
+                                       if source.startswith("self.")}
+    stock_setattr = spec.cls.__setattr__
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in guarded and name in self._modules and value is not self._modules[name]:
+            raise RuntimeError(
+                f"gn_patch: {spec.cls.__name__}.{name} is fused into this patched block's forward; replacing it "
+                f"would leave the block computing the old norm and activation. Call gn_patch.unpatch_model on the "
+                f"model first (and patch_model again after)")
+        stock_setattr(self, name, value)
+
+    return __setattr__
+
+
 def fused_class(spec: Fusion) -> type:
     """The class patch_model switches ``spec.cls`` instances to, generated on first use and registered as a rule
-    (a second patch_model call recognizes it)."""
+    (a second patch_model call recognizes it). Replacing a fused norm or activation on an instance raises
+    (_replacement_guard)."""
     if spec.fused_cls is None:
         name = next(n for n, other in _BY_FUSED_NAME.items() if other is spec)
         namespace = {"__module__": __name__, "__qualname__": name, "forward": _generate_forward(spec), **spec.helpers,
+                     "__setattr__": _replacement_guard(spec),
                      "__doc__": f"{spec.cls.__name__} whose GroupNorms apply what follows them (gn_patch)."}
         spec.fused_cls = stands_in_for(spec.cls)(type(name, (spec.cls,), namespace))
         RULES[spec.fused_cls] = RULES[spec.cls]

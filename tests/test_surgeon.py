@@ -885,6 +885,34 @@ def test_replacing_a_fused_module_of_a_patched_block_raises(attr, replacement):
         assert_same_outputs(run(patched), run(block))
 
 
+def test_peft_modules_to_save_wraps_and_unloads_a_fused_norm():
+    """peft's ``modules_to_save`` wraps a patched block's fused norm (ModulesToSaveWrapper: the norm and a trained
+    deep copy of it) and ``merge_and_unload`` puts the trained copy in its place: both replace a fused norm by one
+    fusing the same activation, which the block's replacement guard lets through, with stock's values."""
+    from peft import LoraConfig, get_peft_model
+
+    class Holder(nn.Module):  # peft wraps a model around the block
+        def __init__(self, block: nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, x, temb):
+            return self.block(x, temb)
+
+    stock = Holder(make_resnet())
+    run = run_resnet(stock.block)
+    patched = copy.deepcopy(stock)
+    patch_model(patched)
+    wrapped = get_peft_model(patched, LoraConfig(target_modules=["conv1"], modules_to_save=["norm1"], r=4))
+    with torch.no_grad():
+        wrapped.base_model.model.block.norm1.modules_to_save["default"].weight.add_(0.5)
+        stock.block.norm1.weight.add_(0.5)
+        assert_same_outputs(run(wrapped), run(stock))
+        unloaded = wrapped.merge_and_unload()
+        assert type(unloaded.block.norm1) is rules.base.FusedGroupNorm
+        assert_same_outputs(run(unloaded), run(stock))
+
+
 class Double(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return 2 * weight

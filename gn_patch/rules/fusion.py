@@ -358,17 +358,28 @@ def _generate_forward(spec: Fusion) -> Callable:
     return forward
 
 
+def _fused_as(module) -> tuple[type, str] | None:
+    """(class, activation) of a fused norm, also seen through peft's ``ModulesToSaveWrapper`` (``modules_to_save``:
+    it keeps the module as ``original_module`` and trains deep copies of it); None for anything else."""
+    inner = getattr(module, "original_module", module)
+    return (type(inner), inner.activation) if _is_fused_norm(inner) else None
+
+
 def _replacement_guard(spec: Fusion) -> Callable[[nn.Module, str, object], None]:
     """``__setattr__`` of ``spec``'s fused class: the edited forward applies each norm's fused activation (and its
     modulation) in place of the calls it dropped, so a norm or activation module replaced on a patched instance
     would leave it computing the old pair (a new ``nn.GroupNorm`` unactivated, a new activation skipped after the
-    norms): such an assignment raises instead. Other attributes are set as ``spec.cls`` sets them."""
+    norms): such an assignment raises instead. Other attributes are set as ``spec.cls`` sets them, and so is a fused
+    norm replaced by one that fuses the same activation (peft wrapping it for ``modules_to_save``, or unloading to
+    its trained copy): the block then computes as stock would with the new norm."""
     guarded = frozenset(spec.norms) | {source.removeprefix("self.") for source in spec.activations.values()
                                        if source.startswith("self.")}
     stock_setattr = spec.cls.__setattr__
 
     def __setattr__(self, name: str, value) -> None:
-        if name in guarded and name in self._modules and value is not self._modules[name]:
+        current = self._modules.get(name) if name in guarded else None
+        if current is not None and value is not current and (_fused_as(value) is None
+                                                             or _fused_as(value) != _fused_as(current)):
             raise RuntimeError(
                 f"gn_patch: {spec.cls.__name__}.{name} is fused into this patched block's forward; replacing it "
                 f"would leave the block computing the old norm and activation. Call gn_patch.unpatch_model on the "

@@ -365,6 +365,12 @@ def _fused_as(module) -> tuple[type, str] | None:
     return (type(inner), inner.activation) if _is_fused_norm(inner) else None
 
 
+def _same_fused_norm(value, current) -> bool:
+    """``value`` is a fused norm (or peft's wrapper of one) of ``current``'s class and activation."""
+    fused = _fused_as(value)
+    return fused is not None and fused == _fused_as(current)
+
+
 def _replacement_guard(spec: Fusion) -> Callable[[nn.Module, str, object], None]:
     """``__setattr__`` of ``spec``'s fused class: the edited forward applies each norm's fused activation (and its
     modulation) in place of the calls it dropped, so a norm or activation module replaced on a patched instance
@@ -378,8 +384,7 @@ def _replacement_guard(spec: Fusion) -> Callable[[nn.Module, str, object], None]
 
     def __setattr__(self, name: str, value) -> None:
         current = self._modules.get(name) if name in guarded else None
-        if current is not None and value is not current and (_fused_as(value) is None
-                                                             or _fused_as(value) != _fused_as(current)):
+        if current is not None and value is not current and not _same_fused_norm(value, current):
             raise RuntimeError(
                 f"gn_patch: {spec.cls.__name__}.{name} is fused into this patched block's forward; replacing it "
                 f"would leave the block computing the old norm and activation. Call gn_patch.unpatch_model on the "

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -114,31 +115,18 @@ def run_training(args: list[str], out: Path, processes: int) -> dict:
     return json.loads((out / "log.json").read_text())
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux /proc): torchrun starts each worker in a session of its own, so a signal
-    to torchrun's process group does not reach them."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-        except OSError:
-            continue  # ended meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree = [pid]
-    for parent in tree:
-        tree += children.get(parent, [])
-    return tree
-
-
 def stop_with_stacks(run: subprocess.Popen) -> str:
     """Abort every process of ``run`` (each prints its Python stacks, PYTHONFAULTHANDLER), then kill what is left;
     returns the run's stderr."""
-    tree = process_tree(run.pid)
+    # torchrun starts each worker in a session of its own, so a signal to torchrun's process group misses them:
+    # walk the tree (psutil, which accelerate depends on).
+    root = psutil.Process(run.pid)
+    tree = [root, *root.children(recursive=True)]
     for sig in (signal.SIGABRT, signal.SIGKILL):
-        for pid in tree:
+        for process in tree:
             try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
+                process.send_signal(sig)
+            except psutil.NoSuchProcess:
                 pass
         try:
             return run.communicate(timeout=30)[1]

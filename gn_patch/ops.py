@@ -96,11 +96,12 @@ def canonical_activation(activation: str | None) -> str:
 def check_num_groups(num_groups):
     """num_groups as a Python int: an int (not a bool), or what F.group_norm also takes, an integer that converts
     exactly (a numpy integer, a one-element integer tensor). Raises TypeError for anything else, ValueError unless
-    it is positive. Skipped while torch.compile traces (a symbolic int is no int to Dynamo; returned as given): the
-    op's schema and C++ checks still apply."""
+    it is positive. While torch.compile traces, only a constant int is checked (Dynamo folds the check, and a
+    failing one stops the trace with this error); anything else is returned as given (a symbolic int is no int to
+    Dynamo), and the op's schema and C++ checks still apply."""
     if type(num_groups) is int and num_groups > 0:  # the per-call case, checked first: it costs a call nothing more
         return num_groups
-    if torch.compiler.is_compiling() or isinstance(num_groups, torch.SymInt):
+    if isinstance(num_groups, torch.SymInt) or (torch.compiler.is_compiling() and type(num_groups) is not int):
         return num_groups
     bool_tensor = isinstance(num_groups, torch.Tensor) and num_groups.dtype == torch.bool
     if not isinstance(num_groups, (bool, int)) and not bool_tensor:
@@ -116,18 +117,20 @@ def check_num_groups(num_groups):
 def check_eps(eps):
     """eps as a Python float: a real number (not a bool; numpy floating scalars included) or, as F.group_norm also
     takes, a one-element real tensor. Raises TypeError for anything else, ValueError unless it is finite and >= 0.
-    Skipped while torch.compile traces (a symbolic float under dynamic=True would be traced through math.isfinite;
-    returned as given): the op's schema and C++ checks still apply."""
+    While torch.compile traces, only a constant float is checked (Dynamo folds the check, and a failing one stops
+    the trace with this error, where a CPU-only install's PyTorch path would give NaN outputs); anything else is
+    returned as given (a symbolic float would be traced through math.isfinite), and the op's schema and C++ checks
+    still apply."""
     if type(eps) is float and 0 <= eps < math.inf:  # the per-call case, checked first
         return eps
-    if torch.compiler.is_compiling() or isinstance(eps, torch.SymFloat):
+    if isinstance(eps, torch.SymFloat) or (torch.compiler.is_compiling() and type(eps) is not float):
         return eps
     real_tensor = (isinstance(eps, torch.Tensor) and eps.numel() == 1
                    and not (eps.dtype.is_complex or eps.dtype == torch.bool))
     if isinstance(eps, bool) or not (isinstance(eps, numbers.Real) or real_tensor):
         raise TypeError(f"gn_patch: eps must be a float, got {type(eps).__name__}")
     eps = float(eps)
-    if not (math.isfinite(eps) and eps >= 0):
+    if not 0 <= eps < math.inf:  # NaN fails both comparisons
         raise ValueError(f"gn_patch: eps must be a finite number >= 0, got {eps}")
     return eps
 

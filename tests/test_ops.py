@@ -660,6 +660,22 @@ def test_public_function_compiles_with_symbolic_eps(host_path):
         torch.testing.assert_close(compiled(x, eps), fn(x, eps), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("num_groups,eps,message", [(2, float("nan"), "eps must be a finite number >= 0"),
+                                                     (2, -1.0, "eps must be a finite number >= 0"),
+                                                     (0, 1e-5, "num_groups must be positive")],
+                         ids=["nan_eps", "negative_eps", "zero_groups"])
+def test_compiled_function_checks_constant_arguments(num_groups, eps, message, host_path):
+    """Under torch.compile(fullgraph=True) a constant eps or num_groups out of range stops the trace with eager's
+    error, after valid values compiled: without the check a CPU-only install's PyTorch path gave NaN outputs."""
+    fn = lambda x, num_groups, eps: gn_patch.group_norm_act(x, num_groups, eps=eps)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x = random_input((2, 8, 3, 3), torch.float32, "cpu")
+    for valid_eps in (1e-3, 1e-4, 1e-5):  # the third call makes eps symbolic (automatic dynamic)
+        compiled(x, 2, valid_eps)
+    with pytest.raises(Exception, match=message):
+        compiled(x, num_groups, eps)
+
+
 def test_compiled_backward_uses_the_backward_op(ext):
     """Under torch.compile the backward graph keeps the fused backward op (not a recomputation)."""
     from torch._dynamo.backends.common import aot_autograd

@@ -165,38 +165,35 @@ __device__ __forceinline__ void rows_stats_straddle(const Pack<T, V> (&packs)[U]
   if (lanes < V) hi = sums_to_welford(k.hi, s.hi.x, s.hi.y, (float)(rows * (V - lanes)));
 }
 
-// Visits the rows this thread streams (not resident) U at a time, the input terms added: visit(batch, count),
-// count the batch's rows that exist (the last batch may be short).
-template <typename T, int V, int U, typename Offset, typename Visit>
-__device__ __forceinline__ void for_each_batch(const T* base, const Geometry& g, const BlockCoord& b, int64_t rows,
-                                               const Offset& offset, Visit&& visit) {
+// Statistics of the rows this thread streams (not resident), a batch of U rows in flight at a time.
+template <typename T, int V, int U, typename Offset>
+__device__ __forceinline__ Welford streamed_stats(const T* base, const Geometry& g, const BlockCoord& b, int64_t rows,
+                                                  const Offset& offset) {
+  Welford w{};
   for (int64_t u0 = 0; u0 < rows; u0 += U) {
     Pack<T, V> batch[U];  // a fresh array per batch: one carried across iterations went to local memory
     load_rows<T, V, U>(batch, base, g, b, u0, rows);
     offset.add_to(batch);
-    visit(batch, (int)min((int64_t)U, rows - u0));
+    w = welford_combine(w, rows_stats<T, V, U>(batch, (int)min((int64_t)U, rows - u0)));
   }
+  return w;
 }
 
-// A thread's Welford statistics (the unclustered kernels'): of its group (lo) and, straddling, of the next (hi).
-using ThreadStats = GroupPair<Welford>;
-
-// The thread's statistics over the rows it streams, U rows in flight at a time.
-template <typename T, int V, bool Straddle, int U, typename Offset>
-__device__ __forceinline__ ThreadStats streamed_stats(const T* base, const Geometry& g, const BlockCoord& b,
-                                                      int64_t rows, const Offset& offset) {
-  ThreadStats t{};
-  for_each_batch<T, V, U>(base, g, b, rows, offset, [&](const Pack<T, V>(&batch)[U], int count) {
-    if constexpr (Straddle) {
-      Welford lo, hi;
-      rows_stats_straddle<T, V, U>(batch, count, b.lanes_lo, lo, hi);
-      t.lo = welford_combine(t.lo, lo);
-      t.hi = welford_combine(t.hi, hi);
-    } else {
-      t.lo = welford_combine(t.lo, rows_stats<T, V, U>(batch, count));
-    }
-  });
-  return t;
+// streamed_stats for straddling vectors: the statistics of the thread's group (lo) and of the next (hi).
+template <typename T, int V, int U, typename Offset>
+__device__ __forceinline__ void streamed_stats_straddle(const T* base, const Geometry& g, const BlockCoord& b,
+                                                        int64_t rows, const Offset& offset, Welford& lo, Welford& hi) {
+  lo = Welford{};
+  hi = Welford{};
+  for (int64_t u0 = 0; u0 < rows; u0 += U) {
+    Pack<T, V> batch[U];
+    load_rows<T, V, U>(batch, base, g, b, u0, rows);
+    offset.add_to(batch);
+    Welford l, h;
+    rows_stats_straddle<T, V, U>(batch, (int)min((int64_t)U, rows - u0), b.lanes_lo, l, h);
+    lo = welford_combine(lo, l);
+    hi = welford_combine(hi, h);
+  }
 }
 
 // The one reference of a straddling vector's lanes, from its two groups' (ref, mean offset, rstd). The lanes of
@@ -339,11 +336,29 @@ template <typename T, int V, bool Straddle, int U, typename Offset>
 __device__ __forceinline__ ThreadSums streamed_sums(const T* x, const Geometry& g, const BlockCoord& b, int64_t rows,
                                                     const Offset& offset, const GroupPair<float>& k) {
   ThreadSums t{};
-  for_each_batch<T, V, U>(x, g, b, rows, offset, [&](const Pack<T, V>(&batch)[U], int count) {
-    const ThreadSums s = packs_sums<T, V, Straddle, U>(batch, count, b, k);
+  for (int64_t u0 = 0; u0 < rows; u0 += U) {
+    Pack<T, V> batch[U];
+    load_rows<T, V, U>(batch, x, g, b, u0, rows);
+    offset.add_to(batch);
+    const ThreadSums s = packs_sums<T, V, Straddle, U>(batch, (int)min((int64_t)U, rows - u0), b, k);
     t.lo = add2(t.lo, s.lo);
     t.hi = add2(t.hi, s.hi);
-  });
+  }
+  return t;
+}
+
+// A thread's Welford statistics (the unclustered kernels'): of its group (lo) and, straddling, of the next (hi).
+using ThreadStats = GroupPair<Welford>;
+
+template <typename T, int V, bool Straddle, int U, typename Offset>
+__device__ __forceinline__ ThreadStats streamed_thread_stats(const T* x, const Geometry& g, const BlockCoord& b,
+                                                             int64_t rows, const Offset& offset) {
+  ThreadStats t{};
+  if constexpr (Straddle) {
+    streamed_stats_straddle<T, V, U>(x, g, b, rows, offset, t.lo, t.hi);
+  } else {
+    t.lo = streamed_stats<T, V, U>(x, g, b, rows, offset);
+  }
   return t;
 }
 
@@ -464,18 +479,6 @@ __device__ __forceinline__ GroupPair<GroupMoments> block_moments_again(const For
   return block_moments<Straddle>(partial, a.geo, b, k2, inv_count, one_group);
 }
 
-// In a cluster, thread gl < groups_per_tile (finalises): the moments about k_tile of tile group gl over the
-// cluster's blocks, from each block's partial sums (published to the cluster through block_sums); other threads
-// get none. Every thread of every block of the cluster calls it: it holds a cluster barrier.
-__device__ __forceinline__ GroupMoments cluster_moments(const float2* partial, float2* block_sums, const Geometry& g,
-                                                        float k_tile, float inv_count, bool finalises) {
-  const int gl = threadIdx.x;
-  if (finalises) block_sums[gl] = group_total(partial, gl, g, add2);
-  cluster_sync(g.cluster());
-  return finalises ? moments_of(k_tile, cluster_reduce(&block_sums[gl], g.cluster(), add2), inv_count)
-                   : GroupMoments{};
-}
-
 // In a cluster: every tile group's statistics again, about k2 = its first pass's reference + mean offset in
 // group_stats, the cluster's blocks in step (each calls this: their decision is made from the same bits). Called
 // after cluster_arrive; ends with another, as the first pass.
@@ -493,8 +496,12 @@ __device__ __forceinline__ void cluster_stats_again(const ForwardArgs& a, const 
   const float k2_tile = finalises ? group_stats[gl].x + group_stats[gl].y : 0.f;
   cluster_wait(g.cluster());  // the cluster's blocks have read this block's block_sums
   block_partials_of<Straddle>(sums_read_again<T, V, Straddle, Offset>(a, b, k2), items, items_hi, partial, g, add2);
-  const GroupMoments m = cluster_moments(partial, block_sums, g, k2_tile, inv_count, finalises);
-  if (finalises) group_stats[gl] = group_stats_of(m, a, b.rank == 0, b.n * g.G + b.tile * g.groups_per_tile + gl);
+  if (finalises) block_sums[gl] = group_total(partial, gl, g, add2);
+  cluster_sync(g.cluster());
+  if (finalises) {
+    const GroupMoments m = moments_of(k2_tile, cluster_reduce(&block_sums[gl], g.cluster(), add2), inv_count);
+    group_stats[gl] = group_stats_of(m, a, b.rank == 0, b.n * g.G + b.tile * g.groups_per_tile + gl);
+  }
   cluster_arrive(g.cluster());
   __syncthreads();
 }
@@ -544,8 +551,10 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) forward_kern
     // after it, made the clustered shapes up to 75% slower on the H200, and every thread finalising its group's
     // statistics itself 2-3% slower where rows stream: benchmarks/NOTES.md, sessions 17 and 18.)
     const int64_t group = b.n * g.G + b.tile * g.groups_per_tile + gl;
-    const GroupMoments m = cluster_moments(partial, block_sums, g, k_tile, inv_count, finalises);
+    if (finalises) block_sums[gl] = group_total(partial, gl, g, add2);
+    cluster_sync(g.cluster());
     if (finalises) {
+      const GroupMoments m = moments_of(k_tile, cluster_reduce(&block_sums[gl], g.cluster(), add2), inv_count);
       const bool exact = reference_within_spread(m);
       if (!exact) second_pass = true;
       group_stats[gl] = group_stats_of(m, a, b.rank == 0 && exact, group);
@@ -606,7 +615,7 @@ __global__ void __launch_bounds__(kMaxThreads, kForwardBlocksPerSm) stats_kernel
   const T* x = static_cast<const T*>(a.x) + b.n * g.S * g.C + b.c0;
   const RowOffset<T, V, Offset> offset(a, b);
   block_partials_of<Straddle>(
-      streamed_stats<T, V, Straddle, kStatsBatch<T, V, Straddle>>(x, g, b, thread_rows(g, b), offset), items,
+      streamed_thread_stats<T, V, Straddle, kStatsBatch<T, V, Straddle>>(x, g, b, thread_rows(g, b), offset), items,
       items_hi, partial, g, welford_combine);
   if (threadIdx.x < g.groups_per_tile) {
     const int64_t group = b.tile * g.groups_per_tile + threadIdx.x;

@@ -96,9 +96,9 @@ def canonical_activation(activation: str | None) -> str:
 def check_num_groups(num_groups):
     """num_groups as a Python int: an int (not a bool), or what F.group_norm also takes, an integer that converts
     exactly (a numpy integer, a one-element integer tensor). Raises TypeError for anything else, ValueError unless
-    it is positive. While torch.compile traces, only a constant int is checked (Dynamo folds the check, and a
-    failing one stops the trace with this error); anything else is returned as given (a symbolic int is no int to
-    Dynamo), and the op's schema and C++ checks still apply."""
+    it is positive. While torch.compile traces, a Python int is checked too (a failing check stops the trace with
+    this error); anything else is returned as given (a symbolic int is no int to Dynamo), and the op's schema and
+    C++ checks still apply."""
     if type(num_groups) is int and num_groups > 0:  # the per-call case, checked first: it costs a call nothing more
         return num_groups
     if isinstance(num_groups, torch.SymInt) or (torch.compiler.is_compiling() and type(num_groups) is not int):
@@ -117,10 +117,10 @@ def check_num_groups(num_groups):
 def check_eps(eps):
     """eps as a Python float: a real number (not a bool; numpy floating scalars included) or, as F.group_norm also
     takes, a one-element real tensor. Raises TypeError for anything else, ValueError unless it is finite and >= 0.
-    While torch.compile traces, only a constant float is checked (Dynamo folds the check, and a failing one stops
-    the trace with this error, where a CPU-only install's PyTorch path would give NaN outputs); anything else is
-    returned as given (a symbolic float would be traced through math.isfinite), and the op's schema and C++ checks
-    still apply."""
+    While torch.compile traces, a Python float is checked too (Dynamo evaluates the comparisons, guarding on a
+    float it made symbolic, and a failing check stops the trace with this error, where a CPU-only install's
+    PyTorch path would give NaN outputs); anything else is returned as given (a SymFloat outside Dynamo, numpy and
+    tensor scalars, which Dynamo cannot turn into a float), and the op's schema and C++ checks still apply."""
     if type(eps) is float and 0 <= eps < math.inf:  # the per-call case, checked first
         return eps
     if isinstance(eps, torch.SymFloat) or (torch.compiler.is_compiling() and type(eps) is not float):

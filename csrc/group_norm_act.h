@@ -1,4 +1,5 @@
-// Host-side interface between the op binding (ops.cpp) and the CUDA kernels (forward.cu, backward.cu).
+// Host-side interface between the op binding (ops.cpp) and the CUDA kernels (forward.cuh and backward.cuh, compiled
+// per activation: passes.h).
 // Plain C++ only: no torch headers, so the .cu files compile without PyTorch's heavy includes.
 #pragma once
 

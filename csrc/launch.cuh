@@ -1,5 +1,5 @@
-// Host-side launch helpers shared by forward.cu and backward.cu: the dtype/vector/activation dispatch to the
-// kernels' template arguments, and cluster launches.
+// Host-side launch helpers shared by forward.cuh and backward.cuh: the dtype/vector dispatch to the kernels'
+// template arguments, and cluster launches.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -18,41 +18,28 @@
 
 namespace gn_patch {
 
-// Calls Kernels<T, V, A>::fn(args...) for the runtime dtype, vector width and activation. Every combination is
-// instantiated, so every kernel exists for every input the op accepts.
-template <template <typename, int, Act> class Kernels, typename T, int V, typename... Args>
-auto dispatch_activation(Act act, Args&&... args) {
-  switch (act) {
-    case Act::kSilu: return Kernels<T, V, Act::kSilu>::fn(args...);
-    case Act::kGelu: return Kernels<T, V, Act::kGelu>::fn(args...);
-    case Act::kGeluTanh: return Kernels<T, V, Act::kGeluTanh>::fn(args...);
-    case Act::kRelu: return Kernels<T, V, Act::kRelu>::fn(args...);
-    case Act::kMish: return Kernels<T, V, Act::kMish>::fn(args...);
-    case Act::kIdentity: break;
-  }
-  return Kernels<T, V, Act::kIdentity>::fn(args...);
-}
-
-// vec: 16 bytes of T, or a smaller power of two (make_geometry's choice).
-template <template <typename, int, Act> class Kernels, typename T, typename... Args>
-auto dispatch_vector(int vec, Act act, Args&&... args) {
+// Calls Kernels<T, V, A>::fn(args...) for the runtime dtype and vector width (16 bytes of T, or a smaller power of
+// two: make_geometry's choice). Every combination is instantiated, so every kernel of activation A exists for every
+// input the op accepts.
+template <template <typename, int, Act> class Kernels, typename T, Act A, typename... Args>
+auto dispatch_vector(int vec, Args&&... args) {
   constexpr int kFull = 16 / sizeof(T);
-  if (vec == kFull) return dispatch_activation<Kernels, T, kFull>(act, args...);
-  if (vec == kFull / 2) return dispatch_activation<Kernels, T, kFull / 2>(act, args...);
+  if (vec == kFull) return Kernels<T, kFull, A>::fn(args...);
+  if (vec == kFull / 2) return Kernels<T, kFull / 2, A>::fn(args...);
   if constexpr (kFull == 8) {
-    if (vec == 2) return dispatch_activation<Kernels, T, 2>(act, args...);
+    if (vec == 2) return Kernels<T, 2, A>::fn(args...);
   }
-  return dispatch_activation<Kernels, T, 1>(act, args...);
+  return Kernels<T, 1, A>::fn(args...);
 }
 
-template <template <typename, int, Act> class Kernels, typename... Args>
-auto dispatch(ScalarKind dtype, int vec, Act act, Args&&... args) {
+template <template <typename, int, Act> class Kernels, Act A, typename... Args>
+auto dispatch_type(ScalarKind dtype, int vec, Args&&... args) {
   switch (dtype) {
-    case ScalarKind::kHalf: return dispatch_vector<Kernels, __half>(vec, act, args...);
-    case ScalarKind::kBFloat16: return dispatch_vector<Kernels, __nv_bfloat16>(vec, act, args...);
+    case ScalarKind::kHalf: return dispatch_vector<Kernels, __half, A>(vec, args...);
+    case ScalarKind::kBFloat16: return dispatch_vector<Kernels, __nv_bfloat16, A>(vec, args...);
     case ScalarKind::kFloat: break;
   }
-  return dispatch_vector<Kernels, float>(vec, act, args...);
+  return dispatch_vector<Kernels, float, A>(vec, args...);
 }
 
 // The launch attribute of a 1-D thread-block cluster of `size` blocks.
@@ -159,12 +146,6 @@ void launch_kernel(void (*kernel)(Args), const Geometry& g, cudaStream_t stream,
 // instantiated with Straddle for those alone.
 template <typename T, int V>
 constexpr bool kStraddles = sizeof(T) == 2 && V == 8;
-
-// A straddling geometry for any other vectors would run kernels that keep each thread in one group.
-inline void check_straddling_kernels(const Geometry& g, ScalarKind dtype) {
-  TORCH_CHECK(!g.straddle || (dtype != ScalarKind::kFloat && g.vec == 8),
-              "gn_patch: straddling geometry for vectors without straddling kernels");
-}
 
 // Whether the current stream is capturing a CUDA graph: the kernels' opt-ins and occupancy queries are not made then.
 inline bool capturing() {

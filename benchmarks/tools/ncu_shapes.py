@@ -10,7 +10,7 @@ as the peer harness's replays do.
 
 Executed instructions per warp (InstructionStats / warps of the grid) and cycles per issued instruction
 (WarpStateStats) say how long a small kernel's latency chain is; the SASS to read beside it comes from
-`cuobjdump -sass -fun NAME` on the build's forward.cuda.o (triton ships a cuobjdump).
+`cuobjdump -sass -fun NAME` on the build's forward_<activation>.cuda.o (triton ships a cuobjdump).
 """
 import argparse
 from pathlib import Path

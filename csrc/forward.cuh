@@ -23,8 +23,12 @@
 // With an input bias or offset (ForwardArgs::input_bias, input_offset: diffusers' `conv1(x) + temb` before a resnet
 // block's norm2, the convolution run without its bias) the kernels instantiated with Offset add them to every row
 // they load: the sums are never written to memory.
+//
+// Compiled once per activation: forward_<activation>.cu instantiates ForwardPass<A> (passes.h), defined at the end.
+#pragma once
 
 #include "launch.cuh"
+#include "passes.h"
 #include "reduce.cuh"
 
 namespace gn_patch {
@@ -749,19 +753,19 @@ struct ForwardClusterOccupancy {
 
 }  // namespace
 
-void launch_forward(const ForwardArgs& a, cudaStream_t stream) {
-  if (a.geo.blocks() == 0) return;
-  check_straddling_kernels(a.geo, a.dtype);
-  TORCH_CHECK((a.input_offset == nullptr && a.input_bias == nullptr) || fuses_input_offset(a.act),
-              "gn_patch: an input offset or bias for an activation whose kernels do not add it");
-  dispatch<ForwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
+template <Act A>
+void ForwardPass<A>::launch(const ForwardArgs& a, cudaStream_t stream) {
+  dispatch_type<ForwardKernels, A>(a.dtype, a.geo.vec, a, stream);
 }
 
-int forward_max_cluster(ScalarKind dtype, int vec, Act act) { return dispatch<ForwardMaxCluster>(dtype, vec, act); }
+template <Act A>
+int ForwardPass<A>::max_cluster(ScalarKind dtype, int vec) {
+  return dispatch_type<ForwardMaxCluster, A>(dtype, vec);
+}
 
-const ClusterOccupancy* forward_cluster_occupancy(ScalarKind dtype, int vec, Act act, bool straddle,
-                                                  int max_cluster) {
-  return dispatch<ForwardClusterOccupancy>(dtype, vec, act, straddle, max_cluster);
+template <Act A>
+const ClusterOccupancy* ForwardPass<A>::cluster_occupancy(ScalarKind dtype, int vec, bool straddle, int max_cluster) {
+  return dispatch_type<ForwardClusterOccupancy, A>(dtype, vec, straddle, max_cluster);
 }
 
 }  // namespace gn_patch

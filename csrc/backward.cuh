@@ -21,7 +21,12 @@
 // them through distributed shared memory. No atomics: gradients are bitwise deterministic. The kernels after the
 // first are launched as dependents of the one before (launch.cuh's programmatic_launch): launched early, they wait
 // for it in wait_for_prerequisite.
+//
+// Compiled once per activation: backward_<activation>.cu instantiates BackwardPass<A> (passes.h), defined at the end.
+#pragma once
+
 #include "launch.cuh"
+#include "passes.h"
 #include "reduce.cuh"
 
 namespace gn_patch {
@@ -493,17 +498,20 @@ struct BackwardClusterOccupancy {
 
 }  // namespace
 
-void launch_backward(const BackwardArgs& a, cudaStream_t stream) {
-  if (a.geo.blocks() == 0) return;
-  check_straddling_kernels(a.geo, a.dtype);
-  dispatch<BackwardKernels>(a.dtype, a.geo.vec, a.act, a, stream);
+template <Act A>
+void BackwardPass<A>::launch(const BackwardArgs& a, cudaStream_t stream) {
+  dispatch_type<BackwardKernels, A>(a.dtype, a.geo.vec, a, stream);
 }
 
-int backward_max_cluster(ScalarKind dtype, int vec, Act act) { return dispatch<BackwardMaxCluster>(dtype, vec, act); }
+template <Act A>
+int BackwardPass<A>::max_cluster(ScalarKind dtype, int vec) {
+  return dispatch_type<BackwardMaxCluster, A>(dtype, vec);
+}
 
-const ClusterOccupancy* backward_cluster_occupancy(ScalarKind dtype, int vec, Act act, bool straddle,
-                                                   int max_cluster) {
-  return dispatch<BackwardClusterOccupancy>(dtype, vec, act, straddle, max_cluster);
+template <Act A>
+const ClusterOccupancy* BackwardPass<A>::cluster_occupancy(ScalarKind dtype, int vec, bool straddle,
+                                                           int max_cluster) {
+  return dispatch_type<BackwardClusterOccupancy, A>(dtype, vec, straddle, max_cluster);
 }
 
 }  // namespace gn_patch

@@ -1,0 +1,4 @@
+// The backward pass's kernels for Act::kMish (passes.h: one translation unit per pass and activation).
+#include "backward.cuh"
+
+template struct gn_patch::BackwardPass<gn_patch::Act::kMish>;

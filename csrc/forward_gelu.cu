@@ -1,0 +1,4 @@
+// The forward pass's kernels for Act::kGelu (passes.h: one translation unit per pass and activation).
+#include "forward.cuh"
+
+template struct gn_patch::ForwardPass<gn_patch::Act::kGelu>;

@@ -14,9 +14,11 @@ anything else falls back to the first-use build.
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 ARCH_LIST = os.environ.get("GN_PATCH_CUDA_ARCH_LIST", "").strip()
@@ -65,4 +67,16 @@ def _build_options() -> dict:
     return {"ext_modules": [module], "cmdclass": {"build_ext": BuildWithInfo}}
 
 
-setup(**(_build_options() if ARCH_LIST else {}))
+class BuildPy(build_py):
+    """build_py that first empties the build folder's copy of the kernel sources. setuptools keeps what an earlier
+    build copied there, and every source in gn_patch/csrc/ is compiled: a file renamed or removed since (a
+    checkout's ``pip install .``, then ``git pull`` and the same again) would be compiled beside its successor."""
+
+    def run(self):
+        shutil.rmtree(Path(self.build_lib) / "gn_patch" / "csrc", ignore_errors=True)
+        super().run()
+
+
+options = _build_options() if ARCH_LIST else {}
+options["cmdclass"] = {"build_py": BuildPy, **options.get("cmdclass", {})}
+setup(**options)

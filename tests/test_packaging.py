@@ -1,6 +1,7 @@
 """The package as pip installs it: every subpackage and kernel source is in the wheel, and the installed package
 finds its own sources (outside any checkout). Builds a wheel with the running environment's setuptools."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,6 +25,25 @@ def wheel(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
                     str(ROOT)], check=True, capture_output=True)
     return next(out.glob("gn_patch-*.whl"))
+
+
+def test_wheel_leaves_out_sources_an_earlier_build_copied(tmp_path):
+    """setuptools keeps what an earlier build copied to build/lib/ (pip builds in the source tree): a kernel source
+    removed or renamed since must not ship, since every source in gn_patch/csrc/ is compiled (setup.py's BuildPy)."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "gn_patch", project / "gn_patch", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(ROOT / "csrc", project / "csrc")
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, project / name)
+    earlier = project / "build" / "lib" / "gn_patch" / "csrc" / "removed_since.cu"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("")
+    out = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(project)], check=True, capture_output=True)
+    names = zipfile.ZipFile(next(out.glob("gn_patch-*.whl"))).namelist()
+    assert "gn_patch/csrc/ops.cpp" in names
+    assert "gn_patch/csrc/removed_since.cu" not in names
 
 
 def test_wheel_holds_the_kernel_sources(wheel):

@@ -23,4 +23,19 @@ struct BackwardPass {
   static const ClusterOccupancy* cluster_occupancy(ScalarKind dtype, int vec, bool straddle, int max_cluster);
 };
 
+// Instantiated by their own units alone: a unit that includes forward.cuh or backward.cuh does not instantiate
+// another activation's pass, whose kernels (internal to each unit) would be a second, different copy.
+extern template struct ForwardPass<Act::kIdentity>;
+extern template struct ForwardPass<Act::kSilu>;
+extern template struct ForwardPass<Act::kGelu>;
+extern template struct ForwardPass<Act::kGeluTanh>;
+extern template struct ForwardPass<Act::kRelu>;
+extern template struct ForwardPass<Act::kMish>;
+extern template struct BackwardPass<Act::kIdentity>;
+extern template struct BackwardPass<Act::kSilu>;
+extern template struct BackwardPass<Act::kGelu>;
+extern template struct BackwardPass<Act::kGeluTanh>;
+extern template struct BackwardPass<Act::kRelu>;
+extern template struct BackwardPass<Act::kMish>;
+
 }  // namespace gn_patch

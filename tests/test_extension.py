@@ -199,7 +199,7 @@ def test_build_messages_where_a_compile_comes(tmp_path):
     library; not where ninja finds the library up to date."""
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    sources = [csrc / "ops.cpp", csrc / "forward.cu"]
+    sources = [csrc / "ops.cpp", csrc / "forward_silu.cu"]
     for path in [*sources, csrc / "common.cuh"]:
         path.write_text("")
     library = tmp_path / "build" / "gn_patch_C.so"
